@@ -1,0 +1,83 @@
+"""Named POSIX shared-memory segments that another process on the host can map without a copy.
+
+A KV pool lives in one segment (/dev/shm/<name>). The creating process owns it and unlinks it
+when closed; other processes (the host's kvtransfer agent, tests) attach by name. Only the
+standard library is used, so every layer (engine, kvtransfer) can import this.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "pdserve-"
+
+
+class SharedSegment:
+    """A mapped shared-memory segment; `buffer` is a writable memoryview over all of it."""
+
+    def __init__(self, name: str, size: int, *, create: bool):
+        if not name.startswith(PREFIX):
+            raise ValueError(f"shared-memory name {name!r} must start with {PREFIX!r}")
+        self.name = name
+        self.owner = create
+        path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no shared-memory segment {name!r} (is its owner running?)") from None
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ValueError(f"shared-memory segment {name!r} has {actual} bytes, expected {size}")
+            self.size = size
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            if create:
+                path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.buffer = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, size: int, tag: str = "pool") -> SharedSegment:
+        return cls(f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}", size, create=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> SharedSegment:
+        return cls(name, size, create=False)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks the name. Safe to call twice."""
+        if self._mmap is None:
+            return
+        self.buffer.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Someone still exports a view (e.g. a tensor); the mapping goes when they do.
+            pass
+        self._mmap = None
+        if self.owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> SharedSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def leftover_segments(pid: int | None = None) -> list[str]:
+    """Names of pdserve segments still in /dev/shm (for one creating pid, or all)."""
+    names = sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}*"))
+    if pid is not None:
+        names = [n for n in names if f"-{pid}-" in n]
+    return names

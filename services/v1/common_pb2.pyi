@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "max_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    max_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class Ticket(_message.Message):
+    __slots__ = ("request_id", "epoch", "decode_worker")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    epoch: int
+    decode_worker: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+
+class LayoutFingerprint(_message.Message):
+    __slots__ = ("model_id", "model_revision", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "tp_rank", "tp_size")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    model_revision: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    tp_rank: int
+    tp_size: int
+    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class KVDestination(_message.Message):
+    __slots__ = ("agent_address", "agent_epoch", "pool_id", "page_ids", "fingerprint")
+    AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    agent_address: str
+    agent_epoch: int
+    pool_id: str
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    fingerprint: LayoutFingerprint
+    def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ...) -> None: ...
+
+class TransferReport(_message.Message):
+    __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs")
+    HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNS_FIELD_NUMBER: _ClassVar[int]
+    handoff_ms: float
+    kv_bytes: int
+    kv_pages: int
+    transport: str
+    num_runs: int
+    def __init__(self, handoff_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., transport: _Optional[str] = ..., num_runs: _Optional[int] = ...) -> None: ...

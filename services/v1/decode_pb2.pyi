@@ -1,0 +1,88 @@
+from pdserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    lease_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("ticket", "destination")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    ticket: _common_pb2.Ticket
+    destination: _common_pb2.KVDestination
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("ticket", "prompt_token_ids", "first_token", "sampling")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ticket: _common_pb2.Ticket
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "decode_start_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_START_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    decode_start_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_start_ms: _Optional[float] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("ticket", "reason")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ticket: _common_pb2.Ticket
+    reason: str
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "role", "num_pages", "free_pages", "running_sequences", "waiting_sequences", "reserved_tickets", "queued_prompt_tokens", "fingerprint")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TICKETS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    num_pages: int
+    free_pages: int
+    running_sequences: int
+    waiting_sequences: int
+    reserved_tickets: int
+    queued_prompt_tokens: int
+    fingerprint: _common_pb2.LayoutFingerprint
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., reserved_tickets: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_common_pb2.LayoutFingerprint, _Mapping]] = ...) -> None: ...
