@@ -1,0 +1,103 @@
+"""Helpers for tests that run real pdserve processes on loopback.
+
+Every process is started in its own session and killed (the whole group) when the context
+exits, also on failure; readiness is the gRPC health check reporting SERVING, polled with a
+bounded deadline, never a sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
+                 service: str = "") -> None:
+    """Poll grpc.health.v1 until SERVING; fail fast if the process died."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = exc.code().name
+                # Nothing listening yet: block on the channel becoming ready instead of spinning.
+                with contextlib.suppress(grpc.FutureTimeoutError):
+                    grpc.channel_ready_future(channel).result(timeout=0.5)
+                continue
+            time.sleep(0.05)  # polling interval of a bounded health poll, not synchronisation
+    raise TimeoutError(f"{address} not SERVING after {timeout_s}s (last: {last})")
+
+
+class ServiceProcess:
+    """One `pdserve ...` (or any python -m) process, logs captured to a temp file."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None):
+        self.log = tempfile.NamedTemporaryFile(prefix="pdserve-test-", suffix=".log", delete=False)
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(list(argv), stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+        # Reap anything else left in the group.
+        self.signal(signal.SIGKILL)
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running(argv: Sequence[str], address: str | None = None, env: dict[str, str] | None = None,
+            timeout_s: float = 90.0) -> Iterator[ServiceProcess]:
+    """Start a process, wait for it to be SERVING at `address`, stop it (and its group) after."""
+    sp = ServiceProcess(argv, env)
+    try:
+        if address is not None:
+            try:
+                wait_serving(address, timeout_s, sp.proc)
+            except Exception as exc:
+                raise RuntimeError(f"{' '.join(argv)} did not come up: {exc}\n--- log ---\n{sp.output()[-4000:]}") from exc
+        yield sp
+    finally:
+        sp.stop()
+        Path(sp.log.name).unlink(missing_ok=True)
+
+
+def pdserve_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", *args]
