@@ -1,0 +1,274 @@
+"""The engine: sequences in, tokens out, one `step()` at a time.
+
+A step is either a prefill step (chunks of prompts whose KV is not in pages yet) or a decode
+step (one token for every running sequence, whatever their lengths: continuous batching).
+Prefill goes first when a waiting sequence can get its pages, which keeps time to first token
+low. Roles: `colocated` does both phases; `prefill` stops each sequence after its first token
+and keeps its pages for the handoff; `decode` admits sequences whose prompt KV was written
+into reserved pages by someone else.
+
+Out of pages: new sequences wait (FIFO). A running sequence that needs a page when none is
+free preempts the most recently admitted running sequence: its pages are freed and it goes
+back to the front of the waiting queue, to be recomputed (prefill over all its tokens) when
+pages free up. The engine is not thread-safe: one thread owns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from pdserve.engine.model import Batch, PagedCausalLM
+from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator, pages_for_tokens
+from pdserve.engine.sampling import SamplingParams, make_generator, sample
+from pdserve.engine.sequence import Sequence, Status, StepOutput
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    role: str = "colocated"
+    block_size: int = 16
+    num_pages: int = 4096
+    max_num_seqs: int = 256        # running sequences in one decode batch
+    chunk_size: int = 512          # prompt tokens of one sequence per prefill step
+    max_prefill_tokens: int = 2048  # prompt tokens of all sequences per prefill step
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("block_size", "num_pages", "max_num_seqs", "chunk_size", "max_prefill_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class Engine:
+    def __init__(self, model: PagedCausalLM, config: EngineConfig, *, device: str = "cpu",
+                 eos_token_ids: Iterable[int] = ()):
+        self.model = model
+        self.config = config
+        self.device = torch.device(device)
+        self.pool = KVPool(model.fingerprint(config.block_size), config.num_pages, device)
+        self.allocator = PageAllocator(config.num_pages)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+
+    # ---- admission -------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a prompt this engine cannot serve."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.model.max_context:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is "
+                             f"{self.model.max_context}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model.vocab_size})")
+        total = min(len(prompt_ids) + params.max_tokens, self.model.max_context)
+        need = pages_for_tokens(total, self.config.block_size)
+        if need > self.config.num_pages:
+            raise ValueError(f"prompt + max_tokens needs {need} pages; the pool has {self.config.num_pages}")
+
+    def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a prompt for prefill (colocated and prefill roles)."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        self.check_prompt(prompt_ids, params)
+        seq = Sequence(seq_id, list(prompt_ids), len(prompt_ids), params,
+                       make_generator(params, self.device))
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def reserve(self, owner: Hashable, num_prompt_tokens: int) -> list[int]:
+        """Decode role: pages for a prompt's KV before it is prefilled elsewhere (OutOfPages)."""
+        if self.allocator.owns(owner):
+            raise ValueError(f"{owner!r} already holds a reservation")
+        return self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens, self.config.block_size))
+
+    def release(self, owner: Hashable) -> int:
+        """Free a reservation's (or a prefilled sequence's) pages; returns how many."""
+        seq = self.seqs.get(owner) if isinstance(owner, str) else None
+        if seq is not None and seq.status is Status.PREFILLED:
+            num_pages = len(self.allocator.pages_of(owner))
+            self._finish(seq, seq.finish_reason or "handoff")
+            return num_pages
+        return self.allocator.free(owner)
+
+    def add_prefilled(self, seq_id: str, reservation: Hashable, prompt_ids: list[int],
+                      first_token: int, params: SamplingParams) -> str | None:
+        """Decode role: admit a sequence whose prompt KV already sits in `reservation`'s pages.
+
+        Returns a finish reason when the first token already ends it (its pages are freed),
+        else None and the sequence joins the next decode step.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        expected = pages_for_tokens(len(prompt_ids), self.config.block_size)
+        held = len(self.allocator.pages_of(reservation))
+        if held != expected:
+            raise ValueError(f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}")
+        seq = Sequence(seq_id, [*prompt_ids, first_token], len(prompt_ids), params,
+                       make_generator(params, self.device), num_cached=len(prompt_ids))
+        self.allocator.transfer(reservation, seq_id)
+        self.seqs[seq_id] = seq
+        reason = self._finish_reason(seq)
+        if reason:
+            self._finish(seq, reason)
+            return reason
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return None
+
+    def abort(self, seq_id: str) -> bool:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_cached for s in self.waiting)
+
+    # ---- stepping --------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self._plan_prefill()
+        if plan:
+            return self._run_prefill(plan)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    def _plan_prefill(self) -> list[tuple[Sequence, int]]:
+        plan: list[tuple[Sequence, int]] = []
+        budget = self.config.max_prefill_tokens
+        live = len(self.running)
+        for seq in self.waiting:
+            if budget == 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
+                break
+            chunk = min(seq.num_tokens - seq.num_cached, self.config.chunk_size, budget)
+            need = pages_for_tokens(seq.num_cached + chunk, self.config.block_size) - len(
+                self.allocator.pages_of(seq.seq_id))
+            if not self.allocator.can_allocate(need):
+                break  # FIFO: later prompts do not overtake the head of the queue
+            self.allocator.allocate(seq.seq_id, need)
+            plan.append((seq, chunk))
+            budget -= chunk
+            live += 1
+        return plan
+
+    def _run_prefill(self, plan: list[tuple[Sequence, int]]) -> list[StepOutput]:
+        start = time.perf_counter()
+        batch = Batch.build(
+            [s.token_ids[s.num_cached: s.num_cached + n] for s, n in plan],
+            [s.num_cached for s, _ in plan],
+            [self.allocator.pages_of(s.seq_id) for s, _ in plan], self.device)
+        logits = self.model(batch, self.pool.tensor)
+        done = []
+        for i, (seq, n) in enumerate(plan):
+            seq.num_cached += n
+            if seq.num_cached == seq.num_tokens:
+                done.append(i)
+        outputs: list[StepOutput] = []
+        if done:
+            seqs = [plan[i][0] for i in done]
+            tokens = sample(logits[done], [s.params for s in seqs], [s.generator for s in seqs])
+            ms = (time.perf_counter() - start) * 1e3
+            for seq, token in zip(seqs, tokens):
+                self.waiting.remove(seq)
+                outputs.append(self._append(seq, token, ms, prefill=True))
+        return outputs
+
+    def _run_decode(self) -> list[StepOutput]:
+        self._ensure_decode_pages()
+        if not self.running:
+            return []
+        start = time.perf_counter()
+        seqs = list(self.running)
+        batch = Batch.build([[s.token_ids[-1]] for s in seqs], [s.num_tokens - 1 for s in seqs],
+                            [self.allocator.pages_of(s.seq_id) for s in seqs], self.device)
+        logits = self.model(batch, self.pool.tensor)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        ms = (time.perf_counter() - start) * 1e3
+        outputs = []
+        for seq, token in zip(seqs, tokens):
+            seq.num_cached = seq.num_tokens
+            outputs.append(self._append(seq, token, ms, prefill=False))
+        return outputs
+
+    def _ensure_decode_pages(self) -> None:
+        """Give every running sequence a page for its next token, preempting when out of pages."""
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted in this loop
+            if pages_for_tokens(seq.num_tokens, self.config.block_size) <= len(
+                    self.allocator.pages_of(seq.seq_id)):
+                continue
+            while not self.allocator.can_allocate(1):
+                victim = self._pick_victim()
+                if victim is None:
+                    raise OutOfPages("a single sequence needs more pages than the pool has")
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.allocator.allocate(seq.seq_id, 1)
+
+    def _pick_victim(self) -> Sequence | None:
+        partial = [s for s in self.waiting if self.allocator.owns(s.seq_id)]
+        if partial:
+            return partial[-1]
+        return self.running[-1] if self.running else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.seq_id)
+        seq.num_cached = 0
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
+    def _append(self, seq: Sequence, token: int, ms: float, *, prefill: bool) -> StepOutput:
+        seq.token_ids.append(token)
+        reason = self._finish_reason(seq)
+        if prefill and self.config.role == "prefill":
+            seq.status = Status.PREFILLED
+            seq.finish_reason = reason
+            return StepOutput(seq.seq_id, token, reason, self.allocator.pages_of(seq.seq_id), ms)
+        if reason:
+            self._finish(seq, reason)
+        elif seq.status is Status.WAITING:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        return StepOutput(seq.seq_id, token, reason, None, ms)
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        if not seq.params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
+            return "stop"
+        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.model.max_context:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.allocator.free(seq.seq_id)
+        self.seqs.pop(seq.seq_id, None)
+
+    def close(self) -> None:
+        self.pool.close()

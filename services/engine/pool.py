@@ -1,0 +1,165 @@
+"""The paged KV pool, its page allocator and its layout fingerprint.
+
+A page holds K and V of `block_size` consecutive tokens for all layers, contiguous:
+`[num_layers, 2, block_size, num_kv_heads, head_dim]`. The pool is one tensor of `num_pages`
+pages in memory the host's kvtransfer agent can map without a copy: a POSIX shared-memory
+segment on CPU, device memory exportable over CUDA IPC on GPU. Page i starts at byte
+`i * page_bytes` of the segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Hashable
+
+import torch
+
+from pdserve.common.shm import SharedSegment
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFingerprint:
+    """Everything that decides whether two pools hold pages of the same shape and meaning."""
+
+    model_id: str
+    model_revision: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        elems = 1
+        for dim in self.page_shape:
+            elems *= dim
+        return elems * DTYPES[self.dtype].itemsize
+
+    def mismatches(self, other: LayoutFingerprint) -> list[str]:
+        """`field: mine != theirs` for every field that differs (empty when compatible)."""
+        return [
+            f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation needs more free pages than the pool has."""
+
+
+class PageAllocator:
+    """Hands out page ids to owners (a sequence id or a reservation ticket).
+
+    Ownership is explicit: pages are freed per owner and return to the free list exactly
+    once, so after any mix of finished, aborted and failed requests `num_free` is back at
+    `num_pages`.
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be > 0, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._owned: dict[Hashable, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, owner: Hashable, n: int) -> list[int]:
+        """Give `owner` n more pages (appended to what it holds); returns the new ids."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        self._owned.setdefault(owner, []).extend(pages)
+        return pages
+
+    def pages_of(self, owner: Hashable) -> list[int]:
+        return list(self._owned.get(owner, ()))
+
+    def owns(self, owner: Hashable) -> bool:
+        return owner in self._owned
+
+    def transfer(self, owner: Hashable, new_owner: Hashable) -> None:
+        """Hand every page of `owner` to `new_owner` (a reservation becoming a sequence)."""
+        if new_owner in self._owned:
+            raise ValueError(f"{new_owner!r} already owns pages")
+        self._owned[new_owner] = self._owned.pop(owner)
+
+    def free(self, owner: Hashable) -> int:
+        """Return every page of `owner` to the free list; a second call frees nothing."""
+        pages = self._owned.pop(owner, [])
+        self._free.extend(pages)
+        return len(pages)
+
+
+def pages_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVPool:
+    """`num_pages` pages of one layout in host-shareable memory; `tensor[page]` is one page."""
+
+    def __init__(self, fingerprint: LayoutFingerprint, num_pages: int, device: str = "cpu",
+                 *, attach_name: str | None = None):
+        self.fingerprint = fingerprint
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        self.page_bytes = fingerprint.page_bytes
+        dtype = DTYPES[fingerprint.dtype]
+        shape = (num_pages, *fingerprint.page_shape)
+        self.segment: SharedSegment | None = None
+        if self.device.type == "cpu":
+            size = num_pages * self.page_bytes
+            self.segment = (SharedSegment.attach(attach_name, size) if attach_name
+                            else SharedSegment.create(size, tag="kv"))
+            self.tensor = torch.frombuffer(self.segment.buffer, dtype=dtype).view(shape)
+        elif self.device.type == "cuda":
+            if attach_name:
+                raise ValueError("attach by shared-memory name is for CPU pools only")
+            self.tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            raise ValueError(f"unsupported device {device!r} (cpu or cuda)")
+
+    @property
+    def shm_name(self) -> str:
+        return self.segment.name if self.segment else ""
+
+    def cuda_ipc_handle(self) -> bytes:
+        """Serialized CUDA IPC handle of the pool's device memory (GPU pools only)."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA IPC handles exist for GPU pools only")
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pickle.dumps(reduce_tensor(self.tensor))
+
+    def close(self) -> None:
+        self.tensor = None  # type: ignore[assignment]
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None

@@ -1,0 +1,52 @@
+"""Per-request state inside an engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from pdserve.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # has tokens whose KV is not in pages yet (new, or preempted)
+    RUNNING = "running"      # in the decode batch
+    PREFILLED = "prefilled"  # prefill role: prompt KV in pages, first token sampled, awaiting handoff
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    num_cached: int = 0          # tokens whose K/V are written into pages
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step did for one sequence: a new token and/or its end."""
+
+    seq_id: str
+    token: int | None
+    finish_reason: str | None = None   # "stop", "length" or "abort" when the sequence ended
+    page_ids: list[int] | None = None  # prefill role: the pages holding the prompt's KV
+    compute_ms: float = 0.0
