@@ -1,0 +1,159 @@
+"""The one typed-config pattern: a frozen dataclass per service, built from flags and env.
+
+Declare each setting once, as a dataclass field with `option(default, help)`:
+
+    @dataclass(frozen=True)
+    class DecodeConfig(ServerConfig):
+        port: int = option(50071, "gRPC port")
+        num_pages: int = option(1024, "KV pages in the pool")
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            require(self.num_pages > 0, "num_pages", self.num_pages, "> 0")
+
+    cfg = parse_config(DecodeConfig, "decode", argv)
+
+Every field becomes a flag (`--num-pages`) with an environment twin (`PDSERVE_DECODE_NUM_PAGES`);
+a set environment variable is the flag's default and is shown in `--help`. Field types: str,
+int, float, bool (`--x/--no-x`), `tuple[str, ...]` (comma-separated) and `X | None`.
+Validation lives in `__post_init__`; its `ValueError` names the field and the bad value and
+becomes a usage error (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+ENV_PREFIX = "PDSERVE"
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def option(default: Any, help: str, *, choices: Sequence[Any] | None = None) -> Any:
+    """A config field: its default, its `--help` text and optionally the allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def env_name(service: str, name: str) -> str:
+    """`env_name("router", "max_retries")` -> `PDSERVE_ROUTER_MAX_RETRIES`."""
+    return f"{ENV_PREFIX}_{service}_{name}".upper().replace("-", "_")
+
+
+def require(ok: bool, name: str, value: Any, expected: str) -> None:
+    """Raise `ValueError("<name>=<value!r>: expected <expected>")` unless `ok`."""
+    if not ok:
+        raise ValueError(f"{name}={value!r}: expected {expected}")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _converter(hint: Any) -> tuple[Callable[[str], Any], bool]:
+    """The str -> value function for a field type, and whether None is allowed."""
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0]
+    if hint is bool:
+        return _parse_bool, optional
+    if typing.get_origin(hint) is tuple:
+        return _parse_list, optional
+    if hint in (int, float, str):
+        return hint, optional
+    raise TypeError(f"unsupported config field type {hint!r}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value) or "(none)"
+    return "(none)" if value is None else str(value)
+
+
+def build_parser(cls: type, service: str, *, env: Mapping[str, str] | None = None,
+                 prog: str | None = None, description: str | None = None
+                 ) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per field of the config dataclass `cls`.
+
+    Exits with a usage error (status 2) when an environment twin holds an unparsable value.
+    """
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        convert, optional = _converter(hints[f.name])
+        var = env_name(service, f.name)
+        default = f.default
+        if var in env:
+            try:
+                default = convert(env[var])
+            except ValueError as exc:
+                parser.error(f"{var}={env[var]!r}: {exc}")
+        help_text = f"{f.metadata.get('help', '')} [env {var}; default: {_show(default)}]"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default,
+                                  "help": help_text.replace("%", "%%")}
+        if convert is _parse_bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = convert
+            kwargs["metavar"] = f.name.upper()
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    return parser
+
+
+def parse_config(cls: type[T], service: str, argv: Sequence[str] | None = None, *,
+                 env: Mapping[str, str] | None = None, prog: str | None = None,
+                 description: str | None = None) -> T:
+    """Build the frozen config `cls` from `argv` (default sys.argv[1:]) and the environment.
+
+    A validation error (`ValueError` from `__post_init__`) exits with status 2 and its message.
+    """
+    parser = build_parser(cls, service, env=env, prog=prog, description=description)
+    namespace = parser.parse_args(argv)
+    try:
+        return cls(**vars(namespace))
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings every gRPC service has; a service's config subclasses this (override `port`)."""
+
+    host: str = option("0.0.0.0", "address to listen on")
+    port: int = option(0, "gRPC port (0 = any free port)")
+    grace_s: float = option(30.0, "on SIGTERM, how long in-flight work may take to finish (s)")
+    log_format: str = option("text", "log line format", choices=LOG_FORMATS)
+    log_level: str = option("INFO", "lowest level logged", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", self.port, "0..65535")
+        require(bool(self.host), "host", self.host, "a host name or address")
+        require(self.grace_s >= 0, "grace_s", self.grace_s, ">= 0")
+        require(self.log_format in LOG_FORMATS, "log_format", self.log_format,
+                " or ".join(LOG_FORMATS))
+        require(self.log_level.upper() in LOG_LEVELS, "log_level", self.log_level,
+                ", ".join(LOG_LEVELS))
