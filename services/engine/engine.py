@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Hashable, Iterable
 
 import torch
-
 from pdserve.engine.model import Batch, PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator, pages_for_tokens
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
@@ -170,6 +169,9 @@ class Engine:
 
     def _run_prefill(self, plan: list[tuple[Sequence, int]]) -> list[StepOutput]:
         start = time.perf_counter()
+        for seq, _ in plan:
+            if seq.prefill_started_at is None:
+                seq.prefill_started_at = start
         batch = Batch.build(
             [s.token_ids[s.num_cached: s.num_cached + n] for s, n in plan],
             [s.num_cached for s, _ in plan],
@@ -184,10 +186,13 @@ class Engine:
         if done:
             seqs = [plan[i][0] for i in done]
             tokens = sample(logits[done], [s.params for s in seqs], [s.generator for s in seqs])
-            ms = (time.perf_counter() - start) * 1e3
+            end = time.perf_counter()
             for seq, token in zip(seqs, tokens):
                 self.waiting.remove(seq)
-                outputs.append(self._append(seq, token, ms, prefill=True))
+                out = self._append(seq, token, (end - start) * 1e3, prefill=True)
+                out.prefill_ms = (end - seq.prefill_started_at) * 1e3
+                seq.prefill_started_at = None  # a recompute after preemption measures anew
+                outputs.append(out)
         return outputs
 
     def _run_decode(self) -> list[StepOutput]:

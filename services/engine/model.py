@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from pdserve.engine.pool import DTYPES, LayoutFingerprint
+from torch import nn
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -6,7 +6,6 @@ import dataclasses
 import enum
 
 import torch
-
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -27,6 +26,7 @@ class Sequence:
     num_cached: int = 0          # tokens whose K/V are written into pages
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    prefill_started_at: float | None = None  # perf_counter when its first prompt chunk ran
 
     @property
     def num_tokens(self) -> int:
@@ -50,3 +50,4 @@ class StepOutput:
     finish_reason: str | None = None   # "stop", "length" or "abort" when the sequence ended
     page_ids: list[int] | None = None  # prefill role: the pages holding the prompt's KV
     compute_ms: float = 0.0
+    prefill_ms: float = 0.0            # on a prefill's output: first chunk start -> token sampled

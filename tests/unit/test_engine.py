@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import UnsupportedModel, load_model
 from pdserve.engine.pool import pages_for_tokens

@@ -1,0 +1,58 @@
+"""`pdserve`: one entry point, a subcommand per service plus up, generate, model and bench.
+
+Each subcommand lives in its own module and is imported only when used, so `pdserve router`
+never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("pdserve.up", "run the whole stack on this machine (router, prefill, decode, agents)"),
+    "generate": ("pdserve.client", "send a prompt to a router, stream the text and the TTFT breakdown"),
+    "router": ("pdserve.router.main", "the public API: Generate, placement, request lifecycle"),
+    "prefill": ("pdserve.prefill.main", "a prefill worker: prompt -> KV pages + first token"),
+    "decode": ("pdserve.decode.main", "a decode worker: paged KV pool, continuous batching"),
+    "kvtransfer": ("pdserve.kvtransfer.main", "the per-host KV transfer agent (UCX or TCP)"),
+    "model": ("pdserve.engine.builtin", "create the built-in model: pdserve model create tiny|small DIR"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("pdserve.engine.bench", "engine decode throughput vs transformers"),
+    "kv": ("pdserve.kvtransfer.bench", "KV handoff throughput per transport vs raw TCP and memcpy"),
+}
+
+
+def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
+    width = max(len(name) for name in table)
+    lines = [f"usage: {prog} COMMAND [options]   ({prog} COMMAND --help for its options)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in table.items()]
+    return "\n".join(lines)
+
+
+def _dispatch(table: dict[str, tuple[str, str]], prog: str, argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage(table, prog))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    return int(module.main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return _dispatch(BENCHES, "pdserve bench", argv[1:])
+    if argv and argv[0] == "model":
+        return _dispatch({"model": COMMANDS["model"]}, "pdserve", argv)
+    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv")}
+    return _dispatch(table, "pdserve", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""`pdserve bench engine`: the engine's decode throughput against transformers, side by side.
+
+For each concurrency C: C prompts of `--prompt-tokens` tokens, `--output-tokens` greedy tokens
+each with EOS ignored, run (1) through the engine with continuous batching, (2) through
+transformers `generate` one request at a time (timed on a few requests and scaled), (3) through
+transformers `generate` as one static batch of C. Also the engine's median decode step time
+divided by the bare model forward (transformers, one token for C sequences with a KV cache of
+the same length): `step_overhead`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.model import load_model, resolve_dtype
+from pdserve.engine.pool import pages_for_tokens
+from pdserve.engine.sampling import SamplingParams
+
+
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def run_engine(model, prompts, out_tokens: int) -> tuple[float, float]:
+    """(output tok/s over the whole run, median decode step ms at full batch)."""
+    block = 16
+    num_pages = len(prompts) * pages_for_tokens(len(prompts[0]) + out_tokens, block) + 8
+    engine = Engine(model, EngineConfig(num_pages=num_pages, block_size=block), eos_token_ids=[])
+    params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        decode_ms: list[float] = []
+        produced = 0
+        while engine.has_work():
+            prefilling = bool(engine.waiting)
+            outs = engine.step()
+            produced += len(outs)
+            if not prefilling and len(outs) == len(prompts):
+                decode_ms.append(outs[0].compute_ms)
+        elapsed = time.perf_counter() - start
+        return produced / elapsed, statistics.median(decode_ms) if decode_ms else float("nan")
+    finally:
+        engine.close()
+
+
+def _hf_generate(hf, batch: list[list[int]], out_tokens: int) -> float:
+    ids = torch.tensor(batch)  # equal lengths: left padding is a no-op
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=out_tokens, min_new_tokens=out_tokens, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def run_hf_batch1(hf, prompts, out_tokens: int, sample: int) -> float:
+    timed = prompts[:sample]
+    elapsed = sum(_hf_generate(hf, [p], out_tokens) for p in timed)
+    return len(timed) * out_tokens / elapsed
+
+
+def run_hf_static(hf, prompts, out_tokens: int) -> float:
+    return len(prompts) * out_tokens / _hf_generate(hf, prompts, out_tokens)
+
+
+def bare_forward_ms(hf, prompts, context: int, steps: int = 8) -> float:
+    """Median ms of one transformers forward of one token for every sequence, KV cache of `context`."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([p[:context] for p in prompts])
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=hf.config)
+        out = hf(ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="tiny, small, or a Hugging Face model directory")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch1-requests", type=int, default=2,
+                        help="requests timed for the transformers batch-1 baseline (scaled)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    from pdserve.engine import builtin
+    from transformers import AutoModelForCausalLM
+
+    model_dir = builtin.ensure(args.model, progress=lambda m: print(m, file=sys.stderr)) \
+        if args.model in builtin.SIZES else Path(args.model)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    torch.manual_seed(0)
+    model = load_model(model_dir, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype).eval()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"model {model.model_id} ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params), "
+          f"{dtype}, torch threads {torch.get_num_threads()}, prompt {args.prompt_tokens}, "
+          f"output {args.output_tokens}", flush=True)
+    print(f"{'conc':>5} {'tok/s':>9} {'hf_b1':>9} {'hf_static':>10} {'vs_b1':>7} {'vs_static':>10} "
+          f"{'step_ms':>8} {'bare_ms':>8} {'overhead':>9}", flush=True)
+    results = []
+    for c in levels:
+        prompts = _prompts(c, args.prompt_tokens, model.vocab_size)
+        tok_s, step_ms = run_engine(model, prompts, args.output_tokens)
+        b1 = run_hf_batch1(hf, prompts, args.output_tokens, min(c, args.hf_batch1_requests))
+        static = run_hf_static(hf, prompts, args.output_tokens)
+        bare = bare_forward_ms(hf, prompts, args.prompt_tokens + args.output_tokens // 2 - 1)
+        row = {"concurrency": c, "tok_s": tok_s, "hf_batch1_tok_s": b1, "hf_static_tok_s": static,
+               "vs_hf_batch1": tok_s / b1, "vs_hf_static": tok_s / static,
+               "step_ms": step_ms, "bare_forward_ms": bare, "step_overhead": step_ms / bare}
+        results.append(row)
+        print(f"{c:>5} {tok_s:>9.1f} {b1:>9.1f} {static:>10.1f} {row['vs_hf_batch1']:>7.2f} "
+              f"{row['vs_hf_static']:>10.2f} {step_ms:>8.2f} {bare:>8.2f} {row['step_overhead']:>9.2f}",
+              flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"model": model.model_id, "dtype": dtype, "results": results},
+                                        indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

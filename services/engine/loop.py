@@ -1,0 +1,95 @@
+"""One thread owns an Engine and steps it; other threads submit work and read outputs.
+
+Workers (prefill, decode, co-located) call `submit(fn)` to run `fn(engine)` on the engine
+under its lock (admission, abort, reservations) and read each sequence's outputs from the
+queue they got from `subscribe`. Between steps the loop runs `on_tick` (lease expiry and
+the like) and sleeps only when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.sequence import StepOutput
+
+T = TypeVar("T")
+log = logging.getLogger("pdserve.engine.loop")
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised inside a step; every sequence of that step ends with it."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, *, on_tick: Callable[[Engine], None] | None = None,
+                 tick_s: float = 0.05):
+        self.engine = engine
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queues: dict[str, queue.SimpleQueue[StepOutput | BaseException]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def submit(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` under the engine lock (between steps) and wake the loop."""
+        with self._wake:
+            result = fn(self.engine)
+            self._wake.notify()
+            return result
+
+    def subscribe(self, seq_id: str) -> queue.SimpleQueue[StepOutput | BaseException]:
+        q: queue.SimpleQueue[StepOutput | BaseException] = queue.SimpleQueue()
+        with self._lock:
+            self._queues[seq_id] = q
+        return q
+
+    def unsubscribe(self, seq_id: str) -> None:
+        with self._lock:
+            self._queues.pop(seq_id, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if self._stopping:
+                    return
+                if self._on_tick is not None:
+                    self._on_tick(self.engine)
+                if not self.engine.has_work():
+                    self._wake.wait(self._tick_s)
+                    continue
+                try:
+                    outputs: list[StepOutput | tuple[str, BaseException]] = list(self.engine.step())
+                except Exception as exc:  # a failed step must not leave callers waiting forever
+                    log.exception("engine step failed")
+                    outputs = self._fail_all(exc)
+                targets = [(self._queues.get(self._seq_id(o)), o) for o in outputs]
+            for q, out in targets:
+                if q is not None:
+                    q.put(out[1] if isinstance(out, tuple) else out)
+
+    @staticmethod
+    def _seq_id(out: Any) -> str:
+        return out[0] if isinstance(out, tuple) else out.seq_id
+
+    def _fail_all(self, exc: Exception) -> list[tuple[str, BaseException]]:
+        failed = [*self.engine.waiting, *self.engine.running]
+        for seq in failed:
+            self.engine.abort(seq.seq_id)
+        return [(seq.seq_id, EngineFailure(f"engine step failed: {exc}")) for seq in failed]
