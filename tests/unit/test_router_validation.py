@@ -1,0 +1,116 @@
+"""Request validation (errors name the field and value) and placement (pure ranking)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from pdserve.common.server import InvalidArgument
+from pdserve.router.placement import (
+    DecodeLoad,
+    PrefillLoad,
+    pages_needed,
+    rank_decode,
+    rank_prefill,
+)
+from pdserve.router.pool import parse_addresses
+from pdserve.router.tokenizer import Tokenizer
+from pdserve.router.validation import DEFAULT_MAX_TOKENS, validate
+from pdserve.v1 import router_pb2
+
+from tests.unit.test_router_text import make_model_dir
+
+pytestmark = pytest.mark.unit
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(make_model_dir(tmp_path_factory.mktemp("m"), max_context=32))
+
+
+def test_defaults(tok):
+    gen = validate(router_pb2.GenerateRequest(prompt="hello world"), tok, MODEL)
+    assert len(gen.request_id) == 32
+    assert gen.prompt_ids == tuple(tok.encode("hello world"))
+    s = gen.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (1.0, 1.0, 0, None, False)
+    assert gen.requested_max_tokens == DEFAULT_MAX_TOKENS
+    assert s.max_tokens == 32 - len(gen.prompt_ids)  # clamped to the context
+    wire = s.to_proto()
+    assert wire.max_tokens == s.max_tokens and not wire.HasField("seed")
+
+
+def test_explicit_values_kept(tok):
+    req = router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=4, temperature=0.0, top_p=0.5,
+                                     top_k=3, seed=9, stop=["\n"], ignore_eos=True,
+                                     request_id="client-1", model=MODEL)
+    gen = validate(req, tok, MODEL)
+    assert (gen.request_id, gen.prompt_ids, gen.stop) == ("client-1", (5, 6, 7), ("\n",))
+    s = gen.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == \
+        (4, 0.0, 0.5, 3, 9, True)
+    assert s.to_proto().seed == 9
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens=0"),
+    ({"prompt": "hi", "max_tokens": -5}, "max_tokens=-5"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature=-0.5"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature=nan"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p=0.0"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p=1.5"),
+    ({"prompt": "hi", "top_k": -1}, "top_k=-1"),
+    ({}, "prompt=''"),
+    ({"prompt": "hi", "token_ids": [3]}, "prompt="),
+    ({"token_ids": [3, 100000]}, "token_ids=100000"),
+    ({"token_ids": [3, -1]}, "token_ids=-1"),
+    ({"prompt": "the quick brown fox " * 20}, "prompt="),
+    ({"token_ids": list(range(2, 40))}, "token_ids='38 tokens'"),
+    ({"prompt": "hi", "model": "gpt-9"}, "model='gpt-9'"),
+    ({"prompt": "hi", "stop": ["ok", ""]}, "stop=''"),
+    ({"prompt": "hi", "request_id": "bad\nid"}, "request_id="),
+])
+def test_invalid_requests_name_the_field(tok, kwargs, needle):
+    with pytest.raises(InvalidArgument) as err:
+        validate(router_pb2.GenerateRequest(**kwargs), tok, MODEL)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message.startswith(needle.split("=")[0] + "=")
+    assert needle in err.value.message
+
+
+def test_parse_addresses():
+    assert parse_addresses(" a:1, b:2,,a:1 ") == ("a:1", "b:2")
+    assert parse_addresses(["a:1,b:2", "c:3"]) == ("a:1", "b:2", "c:3")
+
+
+def test_pages_needed():
+    assert [pages_needed(n, 16) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+
+
+def test_prefill_least_pending_tokens_healthy_only():
+    loads = [PrefillLoad("p1", True, queued_prompt_tokens=500),
+             PrefillLoad("p2", True, inflight_prompt_tokens=100),
+             PrefillLoad("p3", False),
+             PrefillLoad("p4", True, queued_prompt_tokens=50, inflight_prompt_tokens=200)]
+    assert rank_prefill(loads) == ["p2", "p4", "p1"]
+    assert rank_prefill(loads, avoid={"p2"}) == ["p4", "p1", "p2"]
+    assert rank_prefill([PrefillLoad("p3", False)]) == []
+
+
+def test_decode_prefers_room_then_fewer_sequences_then_free_pages():
+    loads = [DecodeLoad("d1", True, free_pages=100, running_sequences=4),
+             DecodeLoad("d2", True, free_pages=50, running_sequences=1),
+             DecodeLoad("d3", True, free_pages=2, running_sequences=0),     # no room for 40 tokens
+             DecodeLoad("d4", True, free_pages=80, running_sequences=1),
+             DecodeLoad("d5", False, free_pages=1000)]
+    assert rank_decode(loads, num_prompt_tokens=40) == ["d4", "d2", "d1", "d3"]
+    assert rank_decode(loads, num_prompt_tokens=10) == ["d3", "d4", "d2", "d1"]
+    assert rank_decode(loads, 40, avoid={"d4"}) == ["d2", "d1", "d3", "d4"]
+
+
+def test_decode_unknown_stats_and_reserved_tickets_count():
+    loads = [DecodeLoad("d1", True),  # no Stats yet: assumed to have room
+             DecodeLoad("d2", True, free_pages=100, reserved_tickets=2),
+             DecodeLoad("d3", True, free_pages=100, waiting_sequences=1)]
+    assert rank_decode(loads, 16) == ["d1", "d3", "d2"]
