@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 _FIELDS = "pdserve_fields"
+_EVENT = "pdserve_event"
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -36,9 +37,6 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         line = f"{ts}.{int(record.msecs):03d}Z {record.levelname} {record.name}: {record.getMessage()}"
-        extra = " ".join(f"{k}={_text(v)}" for k, v in _fields(record).items())
-        if extra:
-            line = f"{line} {extra}"
         if record.exc_info:
             line = f"{line}\n{self.formatException(record.exc_info)}"
         return line
@@ -54,7 +52,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname,
                                "logger": record.name, "service": self.service,
-                               "msg": record.getMessage()}
+                               "msg": getattr(record, _EVENT, None) or record.getMessage()}
         obj.update(_fields(record))
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
@@ -76,5 +74,7 @@ def setup_logging(log_format: str = "text", level: str = "INFO", *, service: str
 
 def outcome(logger: logging.Logger, message: str, *, level: int = logging.INFO,
             **fields: Any) -> None:
-    """Log one request outcome as a single line with structured fields."""
-    logger.log(level, message, extra={_FIELDS: fields})
+    """Log one request outcome as a single line: in text `message key=value ...`, in JSON
+    `{"msg": message, "key": value, ...}`."""
+    text = " ".join([message, *(f"{k}={_text(v)}" for k, v in fields.items())])
+    logger.log(level, "%s", text, extra={_FIELDS: fields, _EVENT: message})

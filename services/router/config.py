@@ -1,0 +1,45 @@
+"""The router's configuration: flags with `PDSERVE_ROUTER_*` twins (see pdserve.common.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.config import ServerConfig, option, require
+
+SERVICE = "router"
+
+
+def _is_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+@dataclass(frozen=True)
+class RouterConfig(ServerConfig):
+    """pdserve router: the public Generate API in front of prefill and decode workers."""
+
+    port: int = option(50051, "gRPC port")
+    prefill: tuple[str, ...] = option((), "prefill workers, comma-separated host:port")
+    decode: tuple[str, ...] = option((), "decode workers, comma-separated host:port")
+    model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
+                                     "are read); default: the built-in tiny model")
+    model_name: str | None = option(None, "the served model's name (default: the directory "
+                                          "name, or builtin-tiny)")
+    max_retries: int = option(1, "retries on other workers before the first token")
+    prefill_timeout_s: float = option(120.0, "deadline of one Prefill call (s)")
+    reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")
+    health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for role in ("prefill", "decode"):
+            addresses = getattr(self, role)
+            require(bool(addresses), role, addresses, "at least one host:port")
+            for address in addresses:
+                require(_is_address(address), role, address, "host:port")
+        require(not set(self.prefill) & set(self.decode), "decode", self.decode,
+                "addresses that are not also prefill workers")
+        require(self.model is None or bool(self.model), "model", self.model, "a directory")
+        require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
+        for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "> 0")

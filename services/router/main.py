@@ -1,0 +1,79 @@
+"""`python -m pdserve.router.main`: the router process (no torch: tokenization only).
+
+Loads the model directory's tokenizer, starts checking the workers, and serves
+`pdserve.v1.Router` until SIGTERM/SIGINT. SERVING once at least one prefill and one decode
+worker are healthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from pdserve.common.config import parse_config
+from pdserve.common.logs import setup_logging
+from pdserve.common.server import ServerStartError, serve
+from pdserve.router.config import SERVICE, RouterConfig
+from pdserve.router.lifecycle import Lifecycle
+from pdserve.router.pool import WorkerPool
+from pdserve.router.servicer import RouterServicer
+from pdserve.router.tokenizer import Tokenizer
+from pdserve.v1 import router_pb2_grpc
+
+log = logging.getLogger("pdserve.router")
+
+BUILTIN_SIZE = "tiny"
+BUILTIN_NAME = f"builtin-{BUILTIN_SIZE}"
+BUILTIN_TIMEOUT_S = 900.0
+
+
+def builtin_model_dir(size: str = BUILTIN_SIZE) -> Path:
+    """The built-in model's directory, created if missing, by a child process (which may
+    import torch; this one must not)."""
+    argv = [sys.executable, "-m", "pdserve.engine.builtin", "ensure", size]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=BUILTIN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(argv[1:])} took over {BUILTIN_TIMEOUT_S:.0f}s") from None
+    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(argv[1:])} failed (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return Path(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the router; returns the process exit status."""
+    cfg = parse_config(RouterConfig, SERVICE, argv, prog="pdserve router")
+    setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
+    try:
+        model_dir = Path(cfg.model) if cfg.model else builtin_model_dir()
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except (OSError, RuntimeError, ValueError) as exc:
+        log.error("cannot load the tokenizer: %s", exc)
+        return 1
+    model_name = cfg.model_name or (model_dir.name if cfg.model else BUILTIN_NAME)
+    log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, model_dir,
+             tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
+    pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s)
+    lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
+                          prefill_timeout_s=cfg.prefill_timeout_s,
+                          reserve_timeout_s=cfg.reserve_timeout_s)
+    servicer = RouterServicer(lifecycle)
+    pool.start()
+    try:
+        return serve(SERVICE, cfg.port,
+                     lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
+                     host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
+                     on_drain=lifecycle.stop_admitting)
+    except ServerStartError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
