@@ -14,43 +14,18 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.common.health import wait_serving
+
+__all__ = ["free_port", "wait_serving", "ServiceProcess", "running", "pdserve_argv"]
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
-                 service: str = "") -> None:
-    """Poll grpc.health.v1 until SERVING; fail fast if the process died."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                last = exc.code().name
-                # Nothing listening yet: block on the channel becoming ready instead of spinning.
-                with contextlib.suppress(grpc.FutureTimeoutError):
-                    grpc.channel_ready_future(channel).result(timeout=0.5)
-                continue
-            time.sleep(0.05)  # polling interval of a bounded health poll, not synchronisation
-    raise TimeoutError(f"{address} not SERVING after {timeout_s}s (last: {last})")
 
 
 class ServiceProcess:

@@ -48,6 +48,7 @@ class SharedSegment:
 
     @classmethod
     def create(cls, size: int, tag: str = "pool") -> SharedSegment:
+        sweep_stale()
         return cls(f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}", size, create=True)
 
     @classmethod
@@ -55,18 +56,22 @@ class SharedSegment:
         return cls(name, size, create=False)
 
     def close(self) -> None:
-        """Unmap; the owner also unlinks the name. Safe to call twice."""
-        if self._mmap is None:
-            return
-        self.buffer.release()
-        try:
-            self._mmap.close()
-        except BufferError:
-            # Someone still exports a view (e.g. a tensor); the mapping goes when they do.
-            pass
-        self._mmap = None
+        """Unlink the name (owner) first, then unmap. Safe to call twice.
+
+        A tensor or view still exported from `buffer` keeps the mapping alive until it goes;
+        the name is gone at once either way, so nothing is left in /dev/shm.
+        """
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
+            self.owner = False
+        if self._mmap is None:
+            return
+        try:
+            self.buffer.release()
+            self._mmap.close()
+        except BufferError:
+            pass
+        self._mmap = None
 
     def __enter__(self) -> SharedSegment:
         return self
@@ -81,3 +86,24 @@ def leftover_segments(pid: int | None = None) -> list[str]:
     if pid is not None:
         names = [n for n in names if f"-{pid}-" in n]
     return names
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Unlink segments whose creating process is gone (killed before it could clean up)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        parts = path.name.split("-")
+        if len(parts) >= 4 and parts[-2].isdigit() and not _pid_alive(int(parts[-2])):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed

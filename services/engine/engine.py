@@ -75,11 +75,17 @@ class Engine:
         if need > self.config.num_pages:
             raise ValueError(f"prompt + max_tokens needs {need} pages; the pool has {self.config.num_pages}")
 
-    def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a prompt for prefill (colocated and prefill roles)."""
+    def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    reservation: Hashable | None = None) -> Sequence:
+        """Queue a prompt for prefill (colocated and prefill roles).
+
+        With `reservation`, the prompt's KV is written into the pages reserved for it.
+        """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         self.check_prompt(prompt_ids, params)
+        if reservation is not None:
+            self._adopt(reservation, seq_id, len(prompt_ids))
         seq = Sequence(seq_id, list(prompt_ids), len(prompt_ids), params,
                        make_generator(params, self.device))
         self.seqs[seq_id] = seq
@@ -110,13 +116,9 @@ class Engine:
         """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        expected = pages_for_tokens(len(prompt_ids), self.config.block_size)
-        held = len(self.allocator.pages_of(reservation))
-        if held != expected:
-            raise ValueError(f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}")
+        self._adopt(reservation, seq_id, len(prompt_ids))
         seq = Sequence(seq_id, [*prompt_ids, first_token], len(prompt_ids), params,
                        make_generator(params, self.device), num_cached=len(prompt_ids))
-        self.allocator.transfer(reservation, seq_id)
         self.seqs[seq_id] = seq
         reason = self._finish_reason(seq)
         if reason:
@@ -125,6 +127,13 @@ class Engine:
         seq.status = Status.RUNNING
         self.running.append(seq)
         return None
+
+    def _adopt(self, reservation: Hashable, seq_id: str, num_prompt_tokens: int) -> None:
+        expected = pages_for_tokens(num_prompt_tokens, self.config.block_size)
+        held = len(self.allocator.pages_of(reservation))
+        if held != expected:
+            raise ValueError(f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}")
+        self.allocator.transfer(reservation, seq_id)
 
     def abort(self, seq_id: str) -> bool:
         seq = self.seqs.get(seq_id)

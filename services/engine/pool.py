@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Hashable
 
 import torch
-
 from pdserve.common.shm import SharedSegment
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -37,8 +37,6 @@ class RouterConfig(ServerConfig):
             require(bool(addresses), role, addresses, "at least one host:port")
             for address in addresses:
                 require(_is_address(address), role, address, "host:port")
-        require(not set(self.prefill) & set(self.decode), "decode", self.decode,
-                "addresses that are not also prefill workers")
         require(self.model is None or bool(self.model), "model", self.model, "a directory")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s"):

@@ -68,15 +68,17 @@ class WorkerPool:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._workers: dict[str, Worker] = {}
+        self._workers: dict[tuple[str, str], Worker] = {}  # by (role, address)
+        channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
         for role, addresses, stub_cls in (("prefill", prefill, prefill_pb2_grpc.PrefillStub),
                                           ("decode", decode, decode_pb2_grpc.DecodeStub)):
             for address in addresses:
-                if address in self._workers:
-                    raise ValueError(f"worker {address} is listed as both prefill and decode")
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-                self._workers[address] = Worker(address, role, channel, stub_cls(channel),
-                                                health_pb2_grpc.HealthStub(channel))
+                channel = channels.get(address) or grpc.insecure_channel(
+                    address, options=CHANNEL_OPTIONS)
+                channels[address] = channel
+                self._workers[(role, address)] = Worker(address, role, channel, stub_cls(channel),
+                                                        health_pb2_grpc.HealthStub(channel))
+        self._channels = list(channels.values())
 
     # --- checking -------------------------------------------------------------------------
 
@@ -122,8 +124,8 @@ class WorkerPool:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + self.timeout_s + 1)
-        for worker in self._workers.values():
-            worker.channel.close()
+        for channel in self._channels:
+            channel.close()
 
     # --- what placement and the lifecycle read --------------------------------------------
 
@@ -157,10 +159,10 @@ class WorkerPool:
                        block_size=s.fingerprint.block_size or load.block_size)
 
     def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return self._workers[address].stub  # type: ignore[return-value]
+        return self._workers[("prefill", address)].stub  # type: ignore[return-value]
 
     def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return self._workers[address].stub  # type: ignore[return-value]
+        return self._workers[("decode", address)].stub  # type: ignore[return-value]
 
     # --- what the lifecycle reports back --------------------------------------------------
 
@@ -172,7 +174,7 @@ class WorkerPool:
     def note_reserved(self, address: str, num_pages: int) -> None:
         """A decode worker granted a reservation: adjust its cached Stats until the next check."""
         with self._lock:
-            worker = self._workers[address]
+            worker = self._workers[("decode", address)]
             if worker.stats is not None:
                 stats = decode_pb2.WorkerStats()
                 stats.CopyFrom(worker.stats)
@@ -184,9 +186,9 @@ class WorkerPool:
     def prefill_work(self, address: str, num_prompt_tokens: int) -> Iterator[None]:
         """Count `num_prompt_tokens` as in flight on a prefill worker while inside."""
         with self._lock:
-            self._workers[address].inflight_prompt_tokens += num_prompt_tokens
+            self._workers[("prefill", address)].inflight_prompt_tokens += num_prompt_tokens
         try:
             yield
         finally:
             with self._lock:
-                self._workers[address].inflight_prompt_tokens -= num_prompt_tokens
+                self._workers[("prefill", address)].inflight_prompt_tokens -= num_prompt_tokens

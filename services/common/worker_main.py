@@ -1,0 +1,58 @@
+"""Start-up shared by the prefill and decode workers: engine, agent registration, server."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.common.config import parse_config
+from pdserve.common.kvclient import AgentClient
+from pdserve.common.logs import setup_logging
+from pdserve.common.server import start
+from pdserve.common.workerconfig import WorkerConfig
+
+log = logging.getLogger("pdserve.worker")
+
+
+def run_worker(role: str, config_cls: type[WorkerConfig], argv: list[str] | None,
+               make_worker: Callable[[Any, Any, AgentClient | None, str], Any],
+               register: Callable[[Any], Callable[[Any], None]], description: str) -> int:
+    """Parse config, build the engine, register the pool with the agent, serve until SIGTERM."""
+    from pdserve.engine.loop import EngineLoop
+    from pdserve.engine.setup import build_engine
+
+    cfg = parse_config(config_cls, role, argv, prog=f"pdserve {role}", description=description)
+    setup_logging(cfg.log_format, cfg.log_level, service=role)
+    worker_id = cfg.worker_id or f"{role}@{cfg.advertise_host}:{cfg.port}"
+    engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
+                                     block_size=cfg.block_size, num_pages=cfg.num_pages,
+                                     kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
+                                     max_num_seqs=cfg.max_num_seqs)
+    log.info("%s: model %s from %s, %d pages of %d bytes (%s)", worker_id, engine.model.model_id,
+             model_dir, engine.config.num_pages, engine.pool.page_bytes, engine.pool.shm_name)
+    agent = AgentClient(cfg.kv_agent) if role != "colocated" else None  # co-located: no handoff
+    loop = EngineLoop(engine).start()
+    worker = make_worker(cfg, loop, agent, worker_id)
+    ready = [False]
+    try:
+        handle = start(role, cfg.port, register(worker), host=cfg.host, ready=lambda: ready[0],
+                       grace_s=cfg.grace_s, on_drain=worker_drain(worker))
+        if agent is not None:
+            agent.wait_ready(timeout_s=60)
+        worker.register()
+        ready[0] = True
+        log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
+        return handle.wait()
+    finally:
+        worker.stop()
+        loop.stop()
+        engine.close()
+        if agent is not None:
+            agent.close()
+
+
+def worker_drain(worker: Any) -> Callable[[], None]:
+    def drain() -> None:
+        worker.admitting = False
+    return drain

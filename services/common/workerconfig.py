@@ -1,0 +1,36 @@
+"""Settings shared by the prefill and decode workers (each adds its own on top)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.config import ServerConfig, option, require
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(ServerConfig):
+    model: str = option("tiny", "a local Hugging Face model directory, or tiny / small (built-in)")
+    dtype: str = option("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+                        choices=DTYPES)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    block_size: int = option(16, "tokens per KV page")
+    num_pages: int = option(0, "KV pages in the pool (0: from --kv-cache-mb)")
+    kv_cache_mb: int = option(512, "KV pool size in MiB when --num-pages is 0")
+    chunk_size: int = option(512, "prompt tokens per sequence per prefill step")
+    max_num_seqs: int = option(256, "sequences in one decode batch")
+    kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent")
+    worker_id: str = option("", "name in stats, traces and logs (default: role@host:port)")
+    advertise_host: str = option("127.0.0.1", "host name peers use to reach this worker")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.block_size > 0, "block_size", self.block_size, "> 0")
+        require(self.num_pages >= 0, "num_pages", self.num_pages, ">= 0")
+        require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
+        require(self.chunk_size > 0, "chunk_size", self.chunk_size, "> 0")
+        require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
+        require(":" in self.kv_agent, "kv_agent", self.kv_agent, "host:port")
+        require(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
+                "cpu, cuda or cuda:N")

@@ -1,0 +1,57 @@
+"""Building an engine from a model name or directory: the one path every worker uses."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pdserve.engine import builtin
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.model import PagedCausalLM, load_model
+
+
+def resolve_model_dir(model: str) -> Path:
+    """`tiny`/`small` (or `builtin-tiny`) → the cached built-in model; else a local directory."""
+    size = builtin.size_from_model_name(model) or (model if model in builtin.SIZES else None)
+    if size:
+        return builtin.ensure(size, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model {model!r} is neither a built-in size ({', '.join(builtin.SIZES)}) "
+                                "nor a local Hugging Face directory with config.json")
+    return path
+
+
+def eos_token_ids(model_dir: Path) -> list[int]:
+    """EOS ids from generation_config.json, falling back to config.json."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids += eos if isinstance(eos, list) else [eos]
+                break
+    return ids
+
+
+def num_pages_for(model: PagedCausalLM, block_size: int, num_pages: int, kv_cache_mb: int) -> int:
+    if num_pages:
+        return num_pages
+    page_bytes = model.fingerprint(block_size).page_bytes
+    return max(1, kv_cache_mb * 2**20 // page_bytes)
+
+
+def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "cpu",
+                 block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 512,
+                 chunk_size: int = 512, max_num_seqs: int = 256) -> tuple[Engine, Path]:
+    model_dir = resolve_model_dir(model)
+    size = builtin.size_from_model_name(model) or (model if model in builtin.SIZES else None)
+    loaded = load_model(model_dir, dtype=dtype, device=device,
+                        model_id=builtin.model_name(size) if size else None)
+    config = EngineConfig(role=role, block_size=block_size,
+                          num_pages=num_pages_for(loaded, block_size, num_pages, kv_cache_mb),
+                          chunk_size=chunk_size, max_num_seqs=max_num_seqs,
+                          max_prefill_tokens=max(chunk_size, 2048))
+    return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(model_dir)), model_dir

@@ -1,0 +1,33 @@
+"""pdserve.v1.Prefill over gRPC: protos in, PrefillWorker calls, protos out."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+from pdserve.common.convert import sampling_from_pb
+from pdserve.prefill.worker import PrefillWorker
+from pdserve.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
+        rid = request.request_id
+        finished = threading.Event()
+        # Runs when the call ends for any reason; only a caller that left early cancels work.
+        context.add_callback(lambda: None if finished.is_set() else self.worker.cancel(rid))
+        try:
+            result = self.worker.prefill(rid, list(request.token_ids),
+                                         sampling_from_pb(request.sampling), request.ticket,
+                                         request.destination)
+        finally:
+            finished.set()
+        return prefill_pb2.PrefillResponse(first_token=result.first_token, queue_ms=result.queue_ms,
+                                           prefill_ms=result.prefill_ms, transfer=result.transfer,
+                                           worker_id=self.worker.worker_id)
+
+    def Stats(self, request: decode_pb2.StatsRequest, context: grpc.ServicerContext):
+        return decode_pb2.WorkerStats(**self.worker.stats())

@@ -1,0 +1,211 @@
+"""`pdserve up`: the whole stack on this machine, every service its own process.
+
+Default layout: two simulated hosts, each with its own kvtransfer agent: host A runs the
+prefill workers, host B the decode workers, so every handoff crosses a real UCX (or TCP)
+connection between two agents. `--colocated` instead runs one engine doing both phases behind
+the same router API, for comparison. Ctrl-C (or SIGTERM) stops every process.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.common.config import option, parse_config, require
+from pdserve.common.health import wait_serving
+
+DEMO_PROMPT = "def fibonacci(n):"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str = option("tiny", "tiny / small (built-in) or a local Hugging Face directory")
+    prefill: int = option(1, "prefill workers")
+    decode: int = option(1, "decode workers")
+    transport: str = option("ucx", "KV transport between the agents", choices=("ucx", "tcp"))
+    colocated: bool = option(False, "one co-located engine instead of prefill + decode workers")
+    port: int = option(50051, "router port")
+    prefill_port: int = option(50061, "first prefill worker's port (the next ones count up)")
+    decode_port: int = option(50071, "first decode worker's port")
+    agent_port: int = option(50081, "first kvtransfer agent's port")
+    colocated_port: int = option(50091, "the co-located worker's port")
+    kv_cache_mb: int = option(256, "KV pool per worker (MiB)")
+    demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
+    demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
+    log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
+    ready_timeout_s: float = option(300.0, "how long the stack may take to come up (s)")
+
+    def __post_init__(self) -> None:
+        require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
+        require(self.decode >= 1, "decode", self.decode, ">= 1")
+        require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
+
+
+@dataclass
+class Proc:
+    name: str
+    address: str
+    argv: list[str]
+    popen: subprocess.Popen | None = None
+    log: Path | None = None
+
+
+def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
+    """The processes in start order (agents, workers, router)."""
+    py = [sys.executable, "-m"]
+    worker_common = ["--model", cfg.model, "--kv-cache-mb", str(cfg.kv_cache_mb)]
+    procs: list[Proc] = []
+    if cfg.colocated:
+        addr = f"127.0.0.1:{cfg.colocated_port}"
+        procs.append(Proc("colocated", addr, [*py, "pdserve.colocated.main", "--port",
+                                              str(cfg.colocated_port), *worker_common]))
+        prefill_addrs = decode_addrs = [addr]
+    else:
+        agent_a, agent_b = (f"127.0.0.1:{cfg.agent_port + i}" for i in range(2))
+        for i, addr in enumerate((agent_a, agent_b)):
+            procs.append(Proc(f"kvtransfer-{'ab'[i]}", addr, [
+                *py, "pdserve.kvtransfer.main", "--port", str(cfg.agent_port + i),
+                "--transport", cfg.transport, "--agent-id", f"host-{'ab'[i]}"]))
+        prefill_addrs = [f"127.0.0.1:{cfg.prefill_port + i}" for i in range(cfg.prefill)]
+        decode_addrs = [f"127.0.0.1:{cfg.decode_port + i}" for i in range(cfg.decode)]
+        for i, addr in enumerate(decode_addrs):
+            procs.append(Proc(f"decode-{i}", addr, [*py, "pdserve.decode.main", "--port",
+                                                    addr.rsplit(":", 1)[1], "--kv-agent", agent_b,
+                                                    *worker_common]))
+        for i, addr in enumerate(prefill_addrs):
+            procs.append(Proc(f"prefill-{i}", addr, [*py, "pdserve.prefill.main", "--port",
+                                                     addr.rsplit(":", 1)[1], "--kv-agent", agent_a,
+                                                     *worker_common]))
+    procs.append(Proc("router", f"127.0.0.1:{cfg.port}", [
+        *py, "pdserve.router.main", "--port", str(cfg.port), "--model", str(model_dir),
+        "--model-name", model_name, "--prefill", ",".join(prefill_addrs),
+        "--decode", ",".join(dict.fromkeys(decode_addrs))]))
+    return procs
+
+
+class Stack:
+    def __init__(self, procs: list[Proc], log_dir: Path):
+        self.procs = procs
+        self.log_dir = log_dir
+        self.stopping = threading.Event()
+
+    def start(self, timeout_s: float) -> None:
+        for p in self.procs:
+            p.log = self.log_dir / f"{p.name}.log"
+            with open(p.log, "wb") as out:
+                p.popen = subprocess.Popen(p.argv, stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        for p in self.procs:  # all start at once; wait in dependency order
+            print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
+            try:
+                wait_serving(p.address, timeout_s, p.popen)
+            except (TimeoutError, RuntimeError) as exc:
+                print(" failed")
+                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of {p.log} ---\n"
+                                   f"{self.tail(p)}") from None
+            print(" serving", flush=True)
+
+    def tail(self, p: Proc, lines: int = 25) -> str:
+        try:
+            return "\n".join(p.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def first_exited(self) -> Proc | None:
+        return next((p for p in self.procs if p.popen and p.popen.poll() is not None), None)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM in reverse start order (router first, agents last), then SIGKILL leftovers."""
+        for p in reversed(self.procs):
+            if p.popen and p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGTERM)
+                try:
+                    p.popen.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            if p.popen:
+                _signal_group(p.popen, signal.SIGKILL)
+                p.popen.wait()
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _banner(router: str) -> str:
+    body = '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+    return "\n".join([
+        f"pdserve is up. Router: {router}",
+        f"  grpcurl -plaintext -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
+        f"  pdserve generate --address {router} --max-tokens 32 --temperature 0 'def fibonacci(n):'",
+        "Ctrl-C stops every process.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(UpConfig, "up", argv, prog="pdserve up", description=__doc__)
+    from pdserve.engine import builtin
+
+    size = builtin.size_from_model_name(cfg.model) or (cfg.model if cfg.model in builtin.SIZES else None)
+    if size:
+        model_dir = builtin.ensure(size, progress=lambda m: print(m, flush=True))
+        model_name = builtin.model_name(size)
+    else:
+        model_dir = Path(cfg.model).expanduser().resolve()
+        if not (model_dir / "config.json").is_file():
+            print(f"pdserve up: --model {cfg.model}: not a built-in size ({', '.join(builtin.SIZES)}) "
+                  "nor a Hugging Face directory with config.json", file=sys.stderr)
+            return 2
+        model_name = model_dir.name
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(plan(cfg, model_dir, model_name), log_dir)
+    router = stack.procs[-1].address
+    previous = {s: signal.signal(s, lambda *_: stack.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
+        stack.start(cfg.ready_timeout_s)
+        print(_banner(router), flush=True)
+        if cfg.demo:
+            from pdserve import client
+
+            print(f"\ndemo: {cfg.demo_prompt!r}\n", flush=True)
+            status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
+                                  "--ignore-eos", cfg.demo_prompt])
+        else:
+            while not stack.stopping.wait(0.5):
+                dead = stack.first_exited()
+                if dead is not None:
+                    print(f"{dead.name} exited with status {dead.popen.returncode}:\n{stack.tail(dead)}",
+                          file=sys.stderr)
+                    status = 1
+                    break
+    except RuntimeError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        status = 1
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if not cfg.log_dir and status == 0:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        elif status:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
