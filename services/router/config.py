@@ -22,9 +22,9 @@ class RouterConfig(ServerConfig):
     prefill: tuple[str, ...] = option((), "prefill workers, comma-separated host:port")
     decode: tuple[str, ...] = option((), "decode workers, comma-separated host:port")
     model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
-                                     "are read); default: the built-in tiny model")
+                                     "are read), or a built-in size (tiny, small); default: tiny")
     model_name: str | None = option(None, "the served model's name (default: the directory "
-                                          "name, or builtin-tiny)")
+                                          "name, or builtin-<size>)")
     max_retries: int = option(1, "retries on other workers before the first token")
     prefill_timeout_s: float = option(120.0, "deadline of one Prefill call (s)")
     reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")

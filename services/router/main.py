@@ -25,7 +25,6 @@ from pdserve.v1 import router_pb2_grpc
 log = logging.getLogger("pdserve.router")
 
 BUILTIN_SIZE = "tiny"
-BUILTIN_NAME = f"builtin-{BUILTIN_SIZE}"
 BUILTIN_TIMEOUT_S = 900.0
 
 
@@ -44,17 +43,29 @@ def builtin_model_dir(size: str = BUILTIN_SIZE) -> Path:
     return Path(lines[-1])
 
 
+def resolve_model(model: str | None) -> tuple[Path, str]:
+    """`--model` -> (directory, default served name). A directory is used as is (named after
+    itself); no value, `tiny`/`small` or `builtin-<size>` mean the built-in model."""
+    if model and Path(model).expanduser().is_dir():
+        path = Path(model).expanduser()
+        return path, path.resolve().name
+    size = (model or BUILTIN_SIZE).removeprefix("builtin-")
+    if "/" in size or not size.isidentifier():
+        raise FileNotFoundError(f"model {model!r} is neither a directory nor a built-in size")
+    return builtin_model_dir(size), f"builtin-{size}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the router; returns the process exit status."""
     cfg = parse_config(RouterConfig, SERVICE, argv, prog="pdserve router")
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     try:
-        model_dir = Path(cfg.model) if cfg.model else builtin_model_dir()
+        model_dir, default_name = resolve_model(cfg.model)
         tokenizer = Tokenizer.from_dir(model_dir)
     except (OSError, RuntimeError, ValueError) as exc:
         log.error("cannot load the tokenizer: %s", exc)
         return 1
-    model_name = cfg.model_name or (model_dir.name if cfg.model else BUILTIN_NAME)
+    model_name = cfg.model_name or default_name
     log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, model_dir,
              tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
     pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s)

@@ -1,0 +1,104 @@
+"""The router's entry point: flags and env twins, model resolution, a real router process."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from pdserve.common import server
+from pdserve.common.config import parse_config
+from pdserve.router.config import RouterConfig
+from pdserve.router.main import main, resolve_model
+from pdserve.router.tokenizer import Tokenizer
+from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+
+from tests.support import ServiceProcess, free_port, wait_serving
+from tests.unit.test_router_lifecycle import FakeDecode, FakePrefill, Script
+from tests.unit.test_router_text import make_model_dir
+
+pytestmark = pytest.mark.unit
+
+
+def test_help_lists_every_flag_with_its_env_twin(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("port", "host", "prefill", "decode", "model", "model_name", "max_retries",
+                 "log_format", "grace_s"):
+        assert f"--{flag.replace('_', '-')}" in text
+        assert f"PDSERVE_ROUTER_{flag.upper()}" in text
+
+
+def test_env_twins_fill_the_config():
+    env = {"PDSERVE_ROUTER_PREFILL": "a:1,b:2", "PDSERVE_ROUTER_DECODE": "c:3",
+           "PDSERVE_ROUTER_PORT": "6000", "PDSERVE_ROUTER_MAX_RETRIES": "2"}
+    cfg = parse_config(RouterConfig, "router", [], env=env)
+    assert (cfg.prefill, cfg.decode, cfg.port, cfg.max_retries) == (("a:1", "b:2"), ("c:3",), 6000, 2)
+    cfg = parse_config(RouterConfig, "router", ["--decode", "a:1"], env=env)  # co-located worker
+    assert cfg.decode == ("a:1",)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--decode", "d:1"], "prefill=()"),
+    (["--prefill", "p:1", "--decode", "nohost"], "decode='nohost'"),
+    (["--prefill", "p:1", "--decode", "d:1", "--max-retries", "-1"], "max_retries=-1"),
+])
+def test_bad_flags_exit_2_naming_the_field(capsys, argv, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_model_directory_named_after_itself(tmp_path):
+    path, name = resolve_model(str(make_model_dir(tmp_path / "my-model")))
+    assert name == "my-model" and (path / "tokenizer.json").is_file()
+    with pytest.raises(FileNotFoundError):
+        resolve_model("no/such/dir")
+
+
+@pytest.mark.service
+def test_builtin_model_from_a_child_process():
+    path, name = resolve_model(None)
+    assert name == "builtin-tiny" and (path / "tokenizer.json").is_file()
+    assert "torch" not in sys.modules
+
+
+@pytest.mark.service
+def test_router_process_serves_reflects_and_drains(tmp_path):
+    """Fake co-located worker (Prefill and Decode on one address) + a real router process."""
+    script = Script()
+    worker = server.start("worker", 0, lambda s: (
+        prefill_pb2_grpc.add_PrefillServicer_to_server(FakePrefill(script, "w"), s),
+        decode_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(script, "w"), s)),
+        host="127.0.0.1")
+    model_dir = make_model_dir(tmp_path / "m")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    worker_address = f"127.0.0.1:{worker.port}"
+    proc = ServiceProcess([sys.executable, "-m", "pdserve.router.main", "--model", str(model_dir),
+                           "--host", "127.0.0.1", "--prefill", worker_address],
+                          env={"PDSERVE_ROUTER_PORT": str(port),
+                               "PDSERVE_ROUTER_DECODE": worker_address,
+                               "PDSERVE_ROUTER_LOG_FORMAT": "json"})
+    try:
+        wait_serving(address, timeout_s=30, proc=proc.proc)
+        with grpc.insecure_channel(address) as channel:
+            assert "pdserve.v1.Router" in ProtoReflectionDescriptorDatabase(channel).get_services()
+            script.tokens = Tokenizer.from_dir(model_dir).encode("hello world")
+            out = list(router_pb2_grpc.RouterStub(channel).Generate(
+                router_pb2.GenerateRequest(prompt="hi", model="m"), timeout=20))
+        assert "".join(r.delta.text for r in out) == "hello world"
+        assert out[-1].finish.finish_reason == "length"
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=20) == 0, proc.output()
+        assert '"msg": "generate"' in proc.output() and '"status": "OK"' in proc.output()
+    finally:
+        proc.stop()
+        worker.server.stop(0)
