@@ -1,0 +1,90 @@
+"""Page-run arithmetic: (src page, dst page) pairs -> maximal contiguous runs -> byte ranges.
+
+A handoff copies page `src[i]` of the source pool to page `dst[i]` of the destination pool.
+Pages that are consecutive on both sides move as one run, so a transport sends a few large
+buffers instead of one message per page. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """`num_pages` pages from `src_start` (source pool) to `dst_start` (destination pool)."""
+
+    src_start: int
+    dst_start: int
+    num_pages: int
+
+    @property
+    def src_stop(self) -> int:
+        return self.src_start + self.num_pages
+
+    @property
+    def dst_stop(self) -> int:
+        return self.dst_start + self.num_pages
+
+
+@dataclass(frozen=True)
+class ByteRun:
+    """A run as byte offsets into the two pools' memory."""
+
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+def check_page_ids(page_ids: Sequence[int], num_pages: int, what: str) -> None:
+    """Raise ValueError naming `what` unless every id is in [0, num_pages) and unique."""
+    seen: set[int] = set()
+    for page in page_ids:
+        if not 0 <= page < num_pages:
+            raise ValueError(f"{what}: page {page} is outside the pool (0..{num_pages - 1})")
+        if page in seen:
+            raise ValueError(f"{what}: page {page} appears twice")
+        seen.add(page)
+
+
+def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun]:
+    """Maximal runs covering every (src, dst) pair once, ordered by source page.
+
+    Raises ValueError when the lists differ in length or either repeats a page.
+    """
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    for pages, side in ((src_pages, "source"), (dst_pages, "destination")):
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"{side} page ids repeat a page")
+    runs: list[PageRun] = []
+    start_src = start_dst = length = 0
+    for src, dst in sorted(zip(src_pages, dst_pages)):
+        if length and src == start_src + length and dst == start_dst + length:
+            length += 1
+            continue
+        if length:
+            runs.append(PageRun(start_src, start_dst, length))
+        start_src, start_dst, length = src, dst, 1
+    if length:
+        runs.append(PageRun(start_src, start_dst, length))
+    return runs
+
+
+def byte_runs(runs: Sequence[PageRun], page_bytes: int) -> list[ByteRun]:
+    """The byte ranges of `runs` in pools whose page i starts at `i * page_bytes`."""
+    if page_bytes <= 0:
+        raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
+    return [ByteRun(r.src_start * page_bytes, r.dst_start * page_bytes, r.num_pages * page_bytes)
+            for r in runs]
+
+
+def expand(spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Page ids of (start, num_pages) spans, in order."""
+    pages: list[int] = []
+    for start, num_pages in spans:
+        if num_pages <= 0:
+            raise ValueError(f"a run of {num_pages} pages at page {start}")
+        pages.extend(range(start, start + num_pages))
+    return pages

@@ -1,0 +1,99 @@
+"""Property tests of the page-run arithmetic over seeded random handoffs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pdserve.kvtransfer.runs import PageRun, byte_runs, check_page_ids, coalesce, expand
+
+pytestmark = pytest.mark.unit
+
+CASES = 400
+
+
+def random_handoff(rng: random.Random) -> tuple[list[int], list[int], int]:
+    """Source and destination page lists built from contiguous stretches and shuffled singles,
+    the way an allocator with some fragmentation hands pages out."""
+    pool_pages = rng.randint(1, 300)
+    n = rng.randint(0, pool_pages)
+    src = rng.sample(range(pool_pages), n)
+    dst_free = list(range(pool_pages))
+    if rng.random() < 0.5:
+        src.sort()
+    if rng.random() < 0.5:
+        rng.shuffle(dst_free)
+        dst = dst_free[:n]
+    else:
+        start = rng.randint(0, pool_pages - n)
+        dst = list(range(start, start + n))
+    return src, dst, pool_pages
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_pair_is_covered_exactly_once(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(CASES):
+        src, dst, _pool = random_handoff(rng)
+        runs = coalesce(src, dst)
+        pairs = [(r.src_start + k, r.dst_start + k) for r in runs for k in range(r.num_pages)]
+        assert sorted(pairs) == sorted(zip(src, dst))
+        assert len(pairs) == len(set(pairs))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_are_maximal_and_ordered(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    for _ in range(CASES):
+        src, dst, _pool = random_handoff(rng)
+        runs = coalesce(src, dst)
+        assert all(r.num_pages > 0 for r in runs)
+        assert [r.src_start for r in runs] == sorted(r.src_start for r in runs)
+        ends = {(r.src_stop, r.dst_stop) for r in runs}
+        # No run could be appended to another: maximal.
+        assert not any((r.src_start, r.dst_start) in ends for r in runs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_ranges_add_up_and_do_not_overlap(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    for _ in range(CASES):
+        src, dst, _pool = random_handoff(rng)
+        page_bytes = rng.choice([1, 4, 4096, 393216])
+        ranges = byte_runs(coalesce(src, dst), page_bytes)
+        assert sum(b.nbytes for b in ranges) == len(src) * page_bytes
+        for side in ("src_offset", "dst_offset"):
+            spans = sorted((getattr(b, side), b.nbytes) for b in ranges)
+            for (a, n), (b, _) in zip(spans, spans[1:]):
+                assert a + n <= b
+            assert all(getattr(b, side) % page_bytes == 0 for b in ranges)
+
+
+def test_contiguous_handoff_is_one_run() -> None:
+    assert coalesce(list(range(10, 20)), list(range(3, 13))) == [PageRun(10, 3, 10)]
+
+
+def test_pairs_out_of_order_still_coalesce() -> None:
+    assert coalesce([5, 4, 6], [9, 8, 10]) == [PageRun(4, 8, 3)]
+    assert coalesce([1, 2, 3], [7, 5, 6]) == [PageRun(1, 7, 1), PageRun(2, 5, 2)]
+
+
+def test_empty_and_invalid_inputs() -> None:
+    assert coalesce([], []) == []
+    with pytest.raises(ValueError, match="source pages"):
+        coalesce([1, 2], [1])
+    with pytest.raises(ValueError, match="destination page ids repeat"):
+        coalesce([1, 2], [3, 3])
+    with pytest.raises(ValueError, match="page_bytes"):
+        byte_runs([PageRun(0, 0, 1)], 0)
+
+
+def test_expand_and_check_page_ids() -> None:
+    assert expand([(4, 2), (0, 1)]) == [4, 5, 0]
+    with pytest.raises(ValueError):
+        expand([(3, 0)])
+    check_page_ids([0, 5, 9], 10, "x")
+    with pytest.raises(ValueError, match="outside the pool"):
+        check_page_ids([10], 10, "page_ids")
+    with pytest.raises(ValueError, match="twice"):
+        check_page_ids([1, 1], 10, "page_ids")
