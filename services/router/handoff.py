@@ -92,6 +92,12 @@ class Handoff:
         return self.prefill.worker_id or self.prefill_address
 
 
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The request id the workers see: the client's on the first attempt, `<id>#<n>` on the
+    n-th, so a late Abort of a failed attempt can never hit the retry's reservation."""
+    return request_id if attempt == 1 else f"{request_id}#{attempt}"
+
+
 class _Retry(Exception):
     """One attempt failed in a way another attempt may not."""
 
@@ -132,14 +138,15 @@ class HandoffRunner:
 
     def _attempt(self, gen: Generation, scope: CallScope, attempt: int,
                  avoid_prefill: set[str], avoid_decode: set[str]) -> Handoff:
-        reservation = self._reserve(gen, scope, avoid_decode)
+        worker_request_id = attempt_id(gen.request_id, attempt)
+        reservation = self._reserve(gen, worker_request_id, scope, avoid_decode)
         try:
             ranked = rank_prefill(self._pool.prefill_loads(), avoid_prefill)
             if not ranked:
                 raise Unavailable("no healthy prefill worker")
             address = ranked[0]
             request = prefill_pb2.PrefillRequest(
-                request_id=gen.request_id, token_ids=gen.prompt_ids,
+                request_id=worker_request_id, token_ids=gen.prompt_ids,
                 sampling=gen.sampling.to_proto(), ticket=reservation.ticket,
                 destination=reservation.destination)
             sent = self._clock()
@@ -155,12 +162,14 @@ class HandoffRunner:
             reservation.release("client cancelled" if scope.cancelled else "prefill failed")
             raise
 
-    def _reserve(self, gen: Generation, scope: CallScope, avoid: set[str]) -> Reservation:
+    def _reserve(self, gen: Generation, worker_request_id: str, scope: CallScope,
+                 avoid: set[str]) -> Reservation:
         num_tokens = len(gen.prompt_ids)
         ranked = rank_decode(self._pool.decode_loads(), num_tokens, avoid)
         if not ranked:
             raise Unavailable("no healthy decode worker")
-        request = decode_pb2.ReserveRequest(request_id=gen.request_id, num_prompt_tokens=num_tokens)
+        request = decode_pb2.ReserveRequest(request_id=worker_request_id,
+                                            num_prompt_tokens=num_tokens)
         full: list[str] = []
         down: list[str] = []
         for address in ranked:

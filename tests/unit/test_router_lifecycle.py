@@ -241,6 +241,7 @@ def test_retry_before_first_token_on_another_prefill(stack):
     assert len(script.reserves) == 2                # the first reservation was released
     assert [reason for _, reason in script.aborts][0] == "prefill failed; retrying"
     assert out[-1].finish.completion_tokens == 4
+    assert script.decodes[0].ticket.request_id == out[0].request_id + "#2"  # one id per attempt
 
 
 def test_retries_are_bounded(stack):
