@@ -225,7 +225,9 @@ class ServerHandle:
             threading.Thread(target=self._follow_ready, name=f"{name}-ready", daemon=True).start()
 
     def set_serving(self, serving: bool) -> None:
-        """Report SERVING or NOT_SERVING (overall and per service). Ignored once draining."""
+        """Report SERVING or NOT_SERVING (overall and per service). Ignored once draining.
+
+        For services started without `ready`; with it, health follows `ready()` instead."""
         with self._lock:
             if serving == self._serving or self._stop_requested.is_set():
                 return

@@ -143,6 +143,30 @@ def test_drain_finishes_in_flight_stream_then_stops(started):
     assert not waiter.is_alive()
 
 
+class AbortingContext:
+    def abort(self, code, details):
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def test_map_errors_decorator_for_unary_and_stream_handlers():
+    @server.map_errors
+    def unary(request, context):
+        raise server.NotFound(f"no ticket {request}")
+
+    @server.map_errors
+    def stream(request, context):
+        yield 1
+        raise server.FailedPrecondition("layout mismatch")
+
+    with pytest.raises(RuntimeError, match="NOT_FOUND: no ticket t1"):
+        unary("t1", AbortingContext())
+    items = stream("r", AbortingContext())
+    assert next(items) == 1
+    with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: layout mismatch"):
+        next(items)
+    assert server.ServiceError("x", code=grpc.StatusCode.ABORTED).code == grpc.StatusCode.ABORTED
+
+
 def test_busy_port_fails_with_clear_message():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
