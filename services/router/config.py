@@ -29,6 +29,7 @@ class RouterConfig(ServerConfig):
     prefill_timeout_s: float = option(120.0, "deadline of one Prefill call (s)")
     reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")
     health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
+    max_streams: int = option(256, "Generate streams served at once (server threads)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,6 +39,7 @@ class RouterConfig(ServerConfig):
             for address in addresses:
                 require(_is_address(address), role, address, "host:port")
         require(self.model is None or bool(self.model), "model", self.model, "a directory")
+        require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(SERVICE, cfg.port,
                      lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
-                     on_drain=lifecycle.stop_admitting)
+                     on_drain=lifecycle.stop_admitting, max_workers=cfg.max_streams + 8)
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1
