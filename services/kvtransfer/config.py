@@ -1,0 +1,41 @@
+"""The agent's configuration: flags with `PDSERVE_KVTRANSFER_*` twins (see pdserve.common.config)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from pdserve.common.config import ServerConfig, option, require
+
+SERVICE = "kvtransfer"
+TRANSPORTS = ("ucx", "tcp")
+
+
+@dataclass(frozen=True)
+class AgentConfig(ServerConfig):
+    """pdserve kvtransfer: the per-host agent that moves KV pages between workers' pools."""
+
+    port: int = option(50081, "gRPC port")
+    advertise_host: str = option("127.0.0.1", "host peers use to reach this agent's data port")
+    transport: str = option("ucx", "data path between agents", choices=TRANSPORTS)
+    data_port: int = option(0, "TCP data listener port, --transport tcp (0 = any free port)")
+    agent_id: str = option("", "this agent's name in logs and errors (default: the host name)")
+    ucx_error_handling: bool = option(False, "UCX peer-error handling: survives a peer dying "
+                                             "mid-copy, but disables shared memory and CMA "
+                                             "(loopback TCP even on one host)")
+    default_timeout_s: float = option(30.0, "handoff timeout when SendPages gives none (s)")
+    cancel_wait_s: float = option(10.0, "longest CancelTransfer waits for an in-flight write (s)")
+    grace_s: float = option(10.0, "on SIGTERM, how long in-flight calls may take to finish (s)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.transport in TRANSPORTS, "transport", self.transport, " or ".join(TRANSPORTS))
+        require(0 <= self.data_port <= 65535, "data_port", self.data_port, "0..65535")
+        require(bool(self.advertise_host) and self.advertise_host not in ("0.0.0.0", "::"),
+                "advertise_host", self.advertise_host, "an address peers can connect to")
+        for name in ("default_timeout_s", "cancel_wait_s"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+
+    @property
+    def name(self) -> str:
+        return self.agent_id or socket.gethostname()

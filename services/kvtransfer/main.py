@@ -1,0 +1,64 @@
+"""`python -m pdserve.kvtransfer.main`: the per-host KV transfer agent process.
+
+Starts the data path (UCX worker or TCP listener), then serves pdserve.v1.KVTransfer with
+health and reflection through the shared bootstrap; on SIGTERM/SIGINT health turns
+NOT_SERVING, in-flight calls get `--grace-s`, then the transport stops and pools are unmapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from pdserve.common.config import parse_config
+from pdserve.common.logs import setup_logging
+from pdserve.common.server import ServerStartError, start
+from pdserve.kvtransfer.agent import Agent
+from pdserve.kvtransfer.config import SERVICE, AgentConfig
+from pdserve.kvtransfer.servicer import KVTransferServicer
+from pdserve.kvtransfer.transport import Transport
+from pdserve.v1 import kvtransfer_pb2_grpc
+
+log = logging.getLogger("pdserve.kvtransfer")
+
+
+def make_transport(cfg: AgentConfig) -> Transport:
+    """The configured transport (UCX is imported only when chosen)."""
+    if cfg.transport == "tcp":
+        from pdserve.kvtransfer.tcp import TcpTransport
+        return TcpTransport(cfg.host, cfg.data_port, cfg.advertise_host)
+    from pdserve.kvtransfer.ucx import UcxTransport
+    return UcxTransport(error_handling=cfg.ucx_error_handling)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the agent until SIGTERM/SIGINT; returns the exit status."""
+    cfg = parse_config(AgentConfig, SERVICE, argv, prog="pdserve kvtransfer")
+    setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
+    agent = Agent(cfg.name, make_transport(cfg), default_timeout_s=cfg.default_timeout_s,
+                  cancel_wait_s=cfg.cancel_wait_s)
+    try:
+        agent.start()
+    except (OSError, RuntimeError) as exc:
+        log.error("cannot start the %s data path: %s", cfg.transport, exc)
+        agent.close()
+        return 1
+    servicer = KVTransferServicer(agent)
+    try:
+        handle = start(SERVICE, cfg.port,
+                       lambda server: kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(
+                           servicer, server),
+                       host=cfg.host, grace_s=cfg.grace_s, max_workers=64)
+    except ServerStartError as exc:
+        log.error("%s", exc)
+        agent.close()
+        return 1
+    try:
+        return handle.wait()
+    finally:
+        agent.close()
+        log.info("agent %s stopped", agent.agent_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

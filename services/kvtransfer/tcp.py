@@ -1,0 +1,289 @@
+"""TCP transport: plain sockets, the fallback where UCX is not wanted.
+
+Each agent listens on its data port; a sender keeps a few idle connections per peer and runs
+one handoff at a time per connection: header -> reply -> the runs' bytes back to back -> reply.
+Runs go out with `send` from pool views and land with `recv_into` into the destination views.
+A receiver whose ticket is cancelled mid-handoff stops writing at once and reads the rest of
+the bytes into a scratch buffer, so the stream stays in step and the sender learns why.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from pdserve.kvtransfer.errors import KvTransferError, PeerUnavailable, TransferTimeout
+from pdserve.kvtransfer.transport import (
+    LIVENESS_INTERVAL_S,
+    Liveness,
+    PeerContact,
+    Transport,
+    WriteSink,
+    receive_deadline_s,
+)
+from pdserve.kvtransfer.wire import PREFIX_BYTES, Reply, WriteHeader
+
+log = logging.getLogger("pdserve.kvtransfer.tcp")
+
+SLICE_S = 0.05  # socket timeout between checks of deadlines, aborts and shutdown
+_LEN = struct.Struct("<I")
+_SCRATCH_BYTES = 1 << 20
+
+
+class _Closed(Exception):
+    """The peer closed the connection."""
+
+
+class _Aborted(Exception):
+    """The ticket was cancelled while its bytes were arriving; `got` bytes of the current
+    buffer had landed."""
+
+    def __init__(self, got: int):
+        super().__init__(f"aborted after {got} bytes")
+        self.got = got
+
+
+class TcpTransport(Transport):
+    """Handoffs over TCP connections (see the module docstring)."""
+
+    name = "tcp"
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1",
+                 max_idle_per_peer: int = 4):
+        self._bind = (host, port)
+        self._advertise_host = advertise_host
+        self._max_idle = max_idle_per_peer
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._sink: WriteSink | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self, sink: WriteSink) -> PeerContact:
+        self._sink = sink
+        self._listener = socket.create_server(self._bind, backlog=128)
+        self._listener.settimeout(0.2)
+        port = self._listener.getsockname()[1]
+        accept = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        accept.start()
+        self._threads.append(accept)
+        log.info("TCP data listener on %s:%d", self._bind[0], port)
+        return PeerContact(agent_id="", tcp_address=f"{self._advertise_host}:{port}")
+
+    def close(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+
+    def forget(self, peer: PeerContact) -> None:
+        with self._lock:
+            conns = self._idle.pop(peer.tcp_address, [])
+        for conn in conns:
+            conn.close()
+
+    # ---- sending ----------------------------------------------------------------------
+    def send(self, peer: PeerContact, header: WriteHeader, src_views: Sequence[np.ndarray],
+             timeout_s: float, liveness: Liveness | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        conn = self._checkout(peer.tcp_address, deadline)
+        reusable = False
+        try:
+            try:
+                _send_all(conn, header.encode(), deadline, liveness)
+                ready = _read_reply(conn, deadline, liveness)
+            except (OSError, _Closed) as exc:
+                raise PeerUnavailable(f"TCP connection to {peer.tcp_address} failed before the "
+                                      f"receiver accepted: {exc}", retryable=True) from None
+            reusable = True
+            ready.raise_if_error()
+            reusable = False
+            try:
+                for view in src_views:
+                    _send_all(conn, view, deadline, liveness)
+                done = _read_reply(conn, deadline, liveness)
+            except (OSError, _Closed) as exc:
+                raise PeerUnavailable(f"TCP connection to {peer.tcp_address} failed during the "
+                                      f"handoff: {exc}") from None
+            reusable = True
+            done.raise_if_error()
+        finally:
+            self._checkin(peer.tcp_address, conn, reusable)
+
+    def _checkout(self, address: str, deadline: float) -> socket.socket:
+        with self._lock:
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+        host, _, port = address.rpartition(":")
+        try:
+            conn = socket.create_connection((host, int(port)),
+                                            timeout=max(0.001, deadline - time.monotonic()))
+        except (OSError, ValueError) as exc:
+            raise PeerUnavailable(f"cannot connect to the TCP data port {address}: {exc}",
+                                  retryable=True) from None
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _checkin(self, address: str, conn: socket.socket, reusable: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if reusable and not self._stopping.is_set() and len(idle) < self._max_idle:
+                idle.append(conn)
+                return
+        conn.close()
+
+    # ---- receiving --------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn",
+                                      daemon=True)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One connection: handoffs one after another until the peer closes it."""
+        with conn:
+            try:
+                while True:
+                    prefix = _recv_bytes(conn, PREFIX_BYTES, None, self._stopping)
+                    rest = _recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
+                                       time.monotonic() + 10.0, self._stopping)
+                    if not self._serve_write(conn, WriteHeader.decode(prefix + rest)):
+                        return
+            except (_Closed, OSError, _Aborted):
+                return
+            except KvTransferError as exc:  # a malformed header: say why, then hang up
+                _send_reply(conn, Reply.failure("ready", exc))
+
+    def _serve_write(self, conn: socket.socket, header: WriteHeader) -> bool:
+        """Run one handoff; False when the connection must close (out of step)."""
+        assert self._sink is not None
+        try:
+            write = self._sink.accept(header)
+        except KvTransferError as exc:
+            _send_reply(conn, Reply.failure("ready", exc))
+            return True
+        _send_reply(conn, Reply("ready"))
+        deadline = time.monotonic() + receive_deadline_s(header)
+        ok, in_step, error, received = False, False, None, 0
+        try:
+            for view in write.dst_views:
+                dst = memoryview(view).cast("B")
+                _recv_into(conn, dst, deadline, write.abort)
+                received += len(dst)
+            ok = in_step = True
+        except _Aborted as exc:
+            in_step, received = True, received + exc.got
+        except TransferTimeout as exc:
+            error = exc
+        except (OSError, _Closed) as exc:
+            error = PeerUnavailable(f"sender hung up during the handoff: {exc}")
+        try:
+            self._sink.finish(write, ok)
+        except KvTransferError as exc:
+            error = error or exc
+        if not ok and in_step:  # cancelled: swallow the rest so the stream stays in step
+            in_step = _discard(conn, header.kv_bytes - received, deadline)
+        if error is None and not ok:
+            error = TransferTimeout("the handoff stopped before all bytes arrived")
+        if in_step:
+            _send_reply(conn, Reply("done") if error is None else Reply.failure("done", error))
+        return in_step
+
+
+def _send_all(conn: socket.socket, data: bytes | np.ndarray, deadline: float,
+              liveness: Liveness | None) -> None:
+    view = memoryview(data).cast("B")
+    sent, next_check = 0, time.monotonic() + LIVENESS_INTERVAL_S
+    conn.settimeout(SLICE_S)
+    while sent < len(view):
+        try:
+            sent += conn.send(view[sent:])
+        except TimeoutError:
+            next_check = _tick(deadline, next_check, liveness, "sending the handoff")
+
+
+def _read_reply(conn: socket.socket, deadline: float, liveness: Liveness | None) -> Reply:
+    (length,) = _LEN.unpack(_recv_bytes(conn, _LEN.size, deadline, None, liveness))
+    return Reply.decode(_recv_bytes(conn, length, deadline, None, liveness))
+
+
+def _send_reply(conn: socket.socket, reply: Reply) -> None:
+    data = reply.encode()
+    try:
+        conn.settimeout(5.0)
+        conn.sendall(_LEN.pack(len(data)) + data)
+    except OSError:
+        pass  # the sender is gone; it reports its own error
+
+
+def _tick(deadline: float, next_check: float, liveness: Liveness | None, doing: str) -> float:
+    now = time.monotonic()
+    if now >= deadline:
+        raise TransferTimeout(f"timed out {doing}")
+    if liveness is not None and now >= next_check:
+        liveness()
+        return now + LIVENESS_INTERVAL_S
+    return next_check
+
+
+def _recv_bytes(conn: socket.socket, n: int, deadline: float | None,
+                stopping: threading.Event | None, liveness: Liveness | None = None) -> bytes:
+    buf = bytearray(n)
+    _recv_into(conn, memoryview(buf), deadline, None, stopping, liveness)
+    return bytes(buf)
+
+
+def _recv_into(conn: socket.socket, view: memoryview, deadline: float | None,
+               abort: threading.Event | None, stopping: threading.Event | None = None,
+               liveness: Liveness | None = None) -> None:
+    got, next_check = 0, time.monotonic() + LIVENESS_INTERVAL_S
+    conn.settimeout(SLICE_S)
+    while got < len(view):
+        if abort is not None and abort.is_set():
+            raise _Aborted(got)
+        try:
+            n = conn.recv_into(view[got:])
+        except TimeoutError:
+            if stopping is not None and stopping.is_set():
+                raise _Closed("shutting down") from None
+            if deadline is not None:
+                next_check = _tick(deadline, next_check, liveness, "waiting for the peer")
+            continue
+        if n == 0:
+            raise _Closed("connection closed by the peer")
+        got += n
+
+
+def _discard(conn: socket.socket, nbytes: int, deadline: float) -> bool:
+    """Read and drop `nbytes`; False if that failed (the connection is then out of step)."""
+    scratch = memoryview(bytearray(min(max(nbytes, 1), _SCRATCH_BYTES)))
+    try:
+        while nbytes > 0:
+            chunk = scratch[:min(nbytes, len(scratch))]
+            _recv_into(conn, chunk, deadline, None)
+            nbytes -= len(chunk)
+    except (OSError, _Closed, TransferTimeout):
+        return False
+    return True

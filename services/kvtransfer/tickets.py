@@ -1,0 +1,198 @@
+"""Expected writes: which ticket may write which pages of which pool, until when.
+
+A ticket (request id + decode allocator epoch) moves through
+
+    EXPECTED --begin_write--> WRITING --finish ok--> COMPLETE
+        |  lease passes           | finish failed -> EXPECTED (a retry may land)
+        v                         v cancel: abort the write, wait until it stopped
+     EXPIRED                  CANCELLED
+
+A write is accepted only in EXPECTED, with the lease not passed, for exactly the reserved
+pages. Cancel (and expiry) close the ticket for good; cancel returns only once no write for it
+is in flight. Closed tickets are remembered for `retention_s` so a late write is refused with
+the precise reason, then forgotten (unknown ticket).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pdserve.kvtransfer.errors import (
+    BadRequest,
+    TicketBusy,
+    TicketCancelled,
+    TicketExpired,
+    TransferTimeout,
+    UnknownTicket,
+)
+
+
+class TicketKey(NamedTuple):
+    request_id: str
+    epoch: int
+
+    def __str__(self) -> str:
+        return f"{self.request_id}@{self.epoch}"
+
+
+class State(enum.Enum):
+    EXPECTED = "expected"
+    WRITING = "writing"
+    COMPLETE = "complete"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+@dataclass
+class Expectation:
+    key: TicketKey
+    pool_id: str
+    page_ids: tuple[int, ...]
+    lease_deadline: float
+    state: State = State.EXPECTED
+    kv_bytes: int = 0
+    completed_unix_ms: float = 0.0
+    forget_at: float = float("inf")
+    writing: bool = False  # a write is in flight (its transport holds views of the pages)
+    abort: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Status:
+    complete: bool
+    kv_bytes: int
+    completed_unix_ms: float
+
+
+class TicketBook:
+    """Thread-safe registry of expected writes. `clock` is monotonic seconds."""
+
+    def __init__(self, *, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self._retention_s = retention_s
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._tickets: dict[TicketKey, Expectation] = {}
+
+    def expect(self, key: TicketKey, pool_id: str, page_ids: Sequence[int], lease_s: float) -> None:
+        """Open (or, while still EXPECTED, renew) the write window for `key`."""
+        if not key.request_id:
+            raise BadRequest("ticket.request_id is empty")
+        if not page_ids:
+            raise BadRequest(f"ticket {key}: page_ids is empty")
+        if lease_s <= 0:
+            raise BadRequest(f"ticket {key}: lease_ms must be > 0, got {lease_s * 1e3:g}")
+        with self._cond:
+            self._sweep_locked()
+            old = self._tickets.get(key)
+            if old is not None and old.state is not State.EXPECTED:
+                self._raise_state(old)
+            self._tickets[key] = Expectation(key, pool_id, tuple(page_ids), self._clock() + lease_s)
+
+    def begin_write(self, key: TicketKey, pool_id: str, page_ids: Sequence[int]) -> Expectation:
+        """Accept a write of `page_ids` into `pool_id` for `key`: EXPECTED -> WRITING."""
+        with self._cond:
+            exp = self._live(key)
+            if exp.state is not State.EXPECTED:
+                self._raise_state(exp)
+            if pool_id != exp.pool_id:
+                raise BadRequest(f"ticket {key} reserved pages in pool {exp.pool_id}, "
+                                 f"not {pool_id}")
+            if sorted(page_ids) != sorted(exp.page_ids):
+                raise BadRequest(f"ticket {key}: pages {_short(sorted(page_ids))} are not the "
+                                 f"pages reserved for it {_short(sorted(exp.page_ids))}")
+            exp.state = State.WRITING
+            exp.writing = True
+            exp.abort = threading.Event()
+            return exp
+
+    def finish_write(self, exp: Expectation, ok: bool, kv_bytes: int) -> None:
+        """End a write. Raises TicketCancelled if the ticket was cancelled meanwhile."""
+        with self._cond:
+            exp.writing = False
+            self._cond.notify_all()
+            if exp.state is State.CANCELLED:
+                raise TicketCancelled(f"ticket {exp.key} was cancelled during its write")
+            if exp.state is not State.WRITING:
+                return
+            if ok:
+                exp.state = State.COMPLETE
+                exp.kv_bytes = kv_bytes
+                exp.completed_unix_ms = time.time() * 1e3
+                exp.forget_at = self._clock() + self._retention_s
+            else:
+                exp.state = State.EXPECTED  # pages may hold part of it; a retry overwrites
+
+    def cancel(self, key: TicketKey, wait_s: float) -> tuple[bool, bool]:
+        """Close the ticket for good; return (was_pending, was_complete) once no write for it
+        is in flight. Unknown tickets are fine (idempotent). Raises TransferTimeout if an
+        aborted write did not stop within `wait_s`."""
+        with self._cond:
+            self._sweep_locked()
+            exp = self._tickets.get(key)
+            if exp is None:
+                return False, False
+            was_pending = exp.state in (State.EXPECTED, State.WRITING)
+            was_complete = exp.state is State.COMPLETE
+            if exp.state is not State.EXPIRED:
+                exp.state = State.CANCELLED
+            exp.forget_at = self._clock() + self._retention_s
+            if exp.writing:
+                exp.abort.set()
+                if not self._cond.wait_for(lambda: not exp.writing, timeout=wait_s):
+                    raise TransferTimeout(f"ticket {key}: the write in flight did not stop "
+                                          f"within {wait_s:.1f}s of the cancel")
+            return was_pending, was_complete
+
+    def status(self, key: TicketKey) -> Status:
+        """Whether the ticket's write fully landed. Raises for unknown or closed tickets."""
+        with self._cond:
+            exp = self._live(key)
+            if exp.state in (State.CANCELLED, State.EXPIRED):
+                self._raise_state(exp)
+            return Status(exp.state is State.COMPLETE, exp.kv_bytes, exp.completed_unix_ms)
+
+    def sweep(self) -> None:
+        """Expire passed leases and forget closed tickets after their retention."""
+        with self._cond:
+            self._sweep_locked()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._tickets)
+
+    # ---- internals (lock held) --------------------------------------------------------
+    def _live(self, key: TicketKey) -> Expectation:
+        self._sweep_locked()
+        exp = self._tickets.get(key)
+        if exp is None:
+            raise UnknownTicket(f"unknown ticket {key} (never expected here, or long closed)")
+        return exp
+
+    def _raise_state(self, exp: Expectation) -> None:
+        if exp.state is State.CANCELLED:
+            raise TicketCancelled(f"ticket {exp.key} was cancelled")
+        if exp.state is State.EXPIRED:
+            raise TicketExpired(f"ticket {exp.key}: its lease expired")
+        if exp.state is State.WRITING:
+            raise TicketBusy(f"ticket {exp.key}: a write for it is already in flight")
+        if exp.state is State.COMPLETE:
+            raise TicketBusy(f"ticket {exp.key}: its pages have already landed")
+
+    def _sweep_locked(self) -> None:
+        now = self._clock()
+        for key, exp in list(self._tickets.items()):
+            if exp.state is State.EXPECTED and now >= exp.lease_deadline:
+                exp.state = State.EXPIRED
+                exp.forget_at = now + self._retention_s
+            if now >= exp.forget_at and not exp.writing:
+                del self._tickets[key]
+
+
+def _short(pages: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(str(p) for p in pages[:limit])
+    return f"[{shown}{', ...' if len(pages) > limit else ''}] ({len(pages)} pages)"

@@ -1,0 +1,285 @@
+"""UCX transport (default): tagged messages between agents' UCX workers.
+
+Endpoints are built from worker addresses that agents publish over gRPC (`AgentInfo`), never
+through a UCX listener, and without UCX peer-error handling: only then does UCX pick shared
+memory and CMA between processes on one host (measured here: ~4.5 GB/s against ~1.2 GB/s over
+loopback TCP). Peer failure is the control plane's job: every wait is bounded and the sender
+asks `liveness()` about once a second. The price of the fast path: a peer that dies in the
+middle of a CMA copy can take this process down with it (UCX aborts on the failed copy); run
+with `error_handling=True` to trade the shared-memory path for UCX's own failure handling.
+
+Protocol (64-bit tags: 4 bits kind, 36 bits transfer id, 24 bits run index):
+- The receiver keeps one receive posted for HEADER on its worker. The header carries the
+  sender's worker address; the receiver builds (and caches) an endpoint back to it.
+- The receiver answers READY (or a refusal) on the READY tag, having first posted one receive
+  per run, straight into the destination pages (DATA tags); the sender then sends the runs
+  from its pool's pages, and the receiver answers DONE once every receive completed.
+- A posted receive that nobody should fill any more (cancel, timeout) is retired with a
+  zero-length message from this worker to itself; a one-byte receive then swallows whichever
+  message of the two comes second (a late real one is truncated, which also frees its sender).
+A progress thread of the UCX worker does all progress (blocking mode, no busy core); Python
+threads post requests (delayed submission, so this is thread-safe) and poll their completion.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from pdserve.kvtransfer.errors import (
+    BadRequest,
+    KvTransferError,
+    PeerUnavailable,
+    TransferTimeout,
+)
+from pdserve.kvtransfer.transport import (
+    LIVENESS_INTERVAL_S,
+    Liveness,
+    PeerContact,
+    Transport,
+    WriteSink,
+    receive_deadline_s,
+)
+from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, PREFIX_BYTES, REPLY_BYTES, Reply, WriteHeader
+
+log = logging.getLogger("pdserve.kvtransfer.ucx")
+
+_HEADER, _READY, _DONE, _DATA = 1, 2, 3, 4
+_EMPTY = np.empty(0, dtype=np.uint8)
+IDLE_POLL_S = 0.0005  # longest sleep between checks while waiting (idle header loop included)
+RETIRE_WAIT_S = 5.0
+
+
+def _tag(kind: int, xfer_id: int = 0, run: int = 0) -> int:
+    return (kind << 60) | ((xfer_id & ((1 << 36) - 1)) << 24) | run
+
+
+class _Aborted(Exception):
+    pass
+
+
+class UcxTransport(Transport):
+    """Handoffs over UCX tagged messages (see the module docstring)."""
+
+    name = "ucx"
+
+    def __init__(self, *, error_handling: bool = False, receive_threads: int = 8):
+        self._error_handling = error_handling
+        self._receive_threads = receive_threads
+        self._stopping = threading.Event()
+        self._eps: dict[bytes, Any] = {}
+        self._eps_lock = threading.Lock()
+        self._drains: list[tuple[Any, np.ndarray]] = []
+        self._drains_lock = threading.Lock()
+        self._address = b""
+        self._sink: WriteSink | None = None
+        self._thread: threading.Thread | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self, sink: WriteSink) -> PeerContact:
+        import ucxx._lib.libucxx as ucx_api  # loaded only when UCX is used
+        from ucxx._lib.arr import Array
+
+        self._api, self._array = ucx_api, Array
+        self._sink = sink
+        self._ctx = ucx_api.UCXContext({"WARN_UNUSED_ENV_VARS": "n"},
+                                       feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._ctx, enable_delayed_submission=True)
+        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
+        self._address = bytes(self._worker.address.tobytes())
+        self._self_ep = self._endpoint(self._address)
+        self._executor = ThreadPoolExecutor(self._receive_threads, thread_name_prefix="kv-ucx-recv")
+        self._thread = threading.Thread(target=self._header_loop, name="kv-ucx-headers",
+                                        daemon=True)
+        self._thread.start()
+        log.info("UCX worker ready (error handling %s, address %d bytes)",
+                 "on" if self._error_handling else "off", len(self._address))
+        return PeerContact(agent_id="", ucx_worker_address=self._address)
+
+    def close(self) -> None:
+        if self._stopping.is_set() or self._thread is None:
+            return
+        self._stopping.set()
+        wake = self._send(self._self_ep, _EMPTY, _tag(_HEADER))  # completes the posted receive
+        self._thread.join(timeout=2.0)
+        del wake
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._worker.stop_progress_thread()
+
+    def forget(self, peer: PeerContact) -> None:
+        with self._eps_lock:  # not closed: closing an endpoint also tears down the peer's side
+            self._eps.pop(peer.ucx_worker_address, None)
+
+    # ---- sending ----------------------------------------------------------------------
+    def send(self, peer: PeerContact, header: WriteHeader, src_views: Sequence[np.ndarray],
+             timeout_s: float, liveness: Liveness | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        ep = self._endpoint(peer.ucx_worker_address)
+        header = replace(header, reply_to=self._address)
+        xfer = header.xfer_id
+        ready_buf = np.zeros(REPLY_BYTES, dtype=np.uint8)
+        ready = self._recv(ready_buf, _tag(_READY, xfer))
+        header_buf = np.frombuffer(header.encode(), dtype=np.uint8)  # alive until sent
+        try:
+            self._wait([self._send(ep, header_buf, _tag(_HEADER))], deadline,
+                       doing="sending the header")
+            self._wait([ready], deadline, liveness=liveness,
+                       doing=f"waiting for agent {peer.agent_id or '?'} to accept the handoff")
+        except KvTransferError:
+            self._retire([(ready, _tag(_READY, xfer))], REPLY_BYTES)
+            raise
+        Reply.decode(ready_buf).raise_if_error()
+        done_buf = np.zeros(REPLY_BYTES, dtype=np.uint8)
+        done = self._recv(done_buf, _tag(_DONE, xfer))
+        sends = [self._send(ep, view, _tag(_DATA, xfer, i)) for i, view in enumerate(src_views)]
+        try:
+            self._wait([done], deadline, liveness=liveness, doing="moving the handoff's bytes")
+        except KvTransferError:
+            self._retire([(done, _tag(_DONE, xfer))], REPLY_BYTES)
+            raise
+        reply = Reply.decode(done_buf)
+        reply.raise_if_error()
+        self._wait(sends, time.monotonic() + 1.0, doing="completing the sends")
+
+    # ---- receiving --------------------------------------------------------------------
+    def _header_loop(self) -> None:
+        buf = np.zeros(MAX_HEADER_BYTES, dtype=np.uint8)
+        while not self._stopping.is_set():
+            req = self._recv(buf, _tag(_HEADER))
+            delay = 0.0
+            while not req.completed:
+                time.sleep(delay)
+                delay = min(delay * 2 or 2e-5, IDLE_POLL_S)
+            if self._stopping.is_set():
+                return
+            try:
+                req.check_error()
+                data = bytes(buf[:WriteHeader.size(bytes(buf[:PREFIX_BYTES]))])
+            except (self._api.UCXError, BadRequest) as exc:
+                log.warning("dropped a malformed KV header: %s", exc)
+                continue
+            assert self._executor is not None
+            self._executor.submit(self._serve, data)
+
+    def _serve(self, data: bytes) -> None:
+        """One incoming handoff, on a receive thread."""
+        assert self._sink is not None
+        try:
+            header = WriteHeader.decode(data)
+            ep = self._endpoint(header.reply_to)
+        except KvTransferError as exc:
+            log.warning("cannot answer a KV header: %s", exc)
+            return
+        xfer = header.xfer_id
+        try:
+            write = self._sink.accept(header)
+        except KvTransferError as exc:
+            self._reply(ep, _tag(_READY, xfer), Reply.failure("ready", exc))
+            return
+        recvs = [(self._recv(view, _tag(_DATA, xfer, i)), _tag(_DATA, xfer, i))
+                 for i, view in enumerate(write.dst_views)]
+        deadline = time.monotonic() + receive_deadline_s(header)
+        ok, error = False, None
+        try:
+            self._reply(ep, _tag(_READY, xfer), Reply("ready"))
+            self._wait([r for r, _ in recvs], deadline, abort=write.abort,
+                       doing="waiting for the handoff's bytes")
+            ok = True
+        except _Aborted:
+            pass
+        except KvTransferError as exc:
+            error = exc
+        finally:
+            if not ok:  # nothing may land in the pages once finish() is called
+                self._retire(recvs, 1, max(RETIRE_WAIT_S, deadline - time.monotonic()))
+        try:
+            self._sink.finish(write, ok)
+        except KvTransferError as exc:
+            error = error or exc
+        if error is None and not ok:
+            error = TransferTimeout("the handoff stopped before all bytes arrived")
+        self._reply(ep, _tag(_DONE, xfer), Reply("done") if error is None
+                    else Reply.failure("done", error))
+
+    def _reply(self, ep: Any, tag: int, reply: Reply) -> None:
+        msg = np.frombuffer(reply.encode(), dtype=np.uint8)
+        try:
+            self._wait([self._send(ep, msg, tag)], time.monotonic() + 5.0, doing="replying")
+        except KvTransferError as exc:
+            log.warning("could not reply to the sender: %s", exc)
+
+    # ---- UCX plumbing -----------------------------------------------------------------
+    def _endpoint(self, address: bytes) -> Any:
+        with self._eps_lock:
+            ep = self._eps.get(address)
+        if ep is not None:
+            return ep
+        if not address:
+            raise PeerUnavailable("the peer published no UCX worker address (is it a TCP agent?)")
+        try:
+            ep = self._worker.create_endpoint_from_worker_address(
+                self._api.UCXAddress.create_from_buffer(address), self._error_handling)
+        except self._api.UCXError as exc:
+            raise PeerUnavailable(f"cannot reach the peer's UCX worker: {exc}",
+                                  retryable=True) from None
+        with self._eps_lock:
+            return self._eps.setdefault(address, ep)
+
+    def _recv(self, buf: np.ndarray, tag: int) -> Any:
+        return self._worker.tag_recv(self._array(buf), self._api.UCXXTag(tag))
+
+    def _send(self, ep: Any, buf: np.ndarray, tag: int) -> Any:
+        return ep.tag_send(self._array(buf), self._api.UCXXTag(tag))
+
+    def _wait(self, reqs: Sequence[Any], deadline: float, *, doing: str,
+              abort: threading.Event | None = None, liveness: Liveness | None = None) -> None:
+        """Poll until every request completed; bounded by `deadline`, cut short by `abort`."""
+        pending, delay = list(reqs), 0.0
+        next_check = time.monotonic() + LIVENESS_INTERVAL_S
+        while pending:
+            pending = [r for r in pending if not r.completed]
+            if not pending:
+                break
+            if abort is not None and abort.is_set():
+                raise _Aborted()
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferTimeout(f"timed out {doing}")
+            if self._stopping.is_set():
+                raise PeerUnavailable(f"agent shutting down while {doing}")
+            if liveness is not None and now >= next_check:
+                liveness()
+                next_check = now + LIVENESS_INTERVAL_S
+            time.sleep(delay)
+            delay = min(delay * 2 or 2e-5, IDLE_POLL_S)
+        for req in reqs:
+            try:
+                req.check_error()
+            except self._api.UCXError as exc:
+                raise PeerUnavailable(f"UCX error while {doing}: {exc}") from None
+
+    def _retire(self, reqs: Sequence[tuple[Any, int]], drain_bytes: int,
+                wait_s: float = RETIRE_WAIT_S) -> None:
+        """Complete posted receives nobody should fill any more (see the module docstring)."""
+        with self._drains_lock:
+            self._drains = [(r, b) for r, b in self._drains if not r.completed]
+            for req, tag in reqs:
+                if req.completed:
+                    continue
+                self._drains.append((self._send(self._self_ep, _EMPTY, tag), _EMPTY))
+                buf = np.empty(drain_bytes, dtype=np.uint8)
+                self._drains.append((self._recv(buf, tag), buf))
+        deadline = time.monotonic() + wait_s
+        while any(not r.completed for r, _ in reqs):
+            if time.monotonic() >= deadline:
+                log.error("posted receives still busy %.1fs after retiring them", wait_s)
+                return
+            time.sleep(IDLE_POLL_S)
