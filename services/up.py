@@ -8,6 +8,7 @@ the same router API, for comparison. Ctrl-C (or SIGTERM) stops every process.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import shutil
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from pdserve.common.config import option, parse_config, require
 from pdserve.common.health import wait_serving
 
 DEMO_PROMPT = "def fibonacci(n):"
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,13 @@ class Stack:
     def __init__(self, procs: list[Proc], log_dir: Path):
         self.procs = procs
         self.log_dir = log_dir
-        self.stopping = threading.Event()
 
     def start(self, timeout_s: float) -> None:
         for p in self.procs:
             p.log = self.log_dir / f"{p.name}.log"
             with open(p.log, "wb") as out:
                 p.popen = subprocess.Popen(p.argv, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                                           start_new_session=True, preexec_fn=_die_with_parent)
         for p in self.procs:  # all start at once; wait in dependency order
             print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
             try:
@@ -119,8 +120,8 @@ class Stack:
         except OSError:
             return ""
 
-    def first_exited(self) -> Proc | None:
-        return next((p for p in self.procs if p.popen and p.popen.poll() is not None), None)
+    def exited(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen and p.popen.poll() is not None]
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM in reverse start order (router first, agents last), then SIGKILL leftovers."""
@@ -134,6 +135,19 @@ class Stack:
             if p.popen:
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if `pdserve up` itself dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(plan(cfg, model_dir, model_name), log_dir)
     router = stack.procs[-1].address
-    previous = {s: signal.signal(s, lambda *_: stack.stopping.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
         print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
@@ -185,18 +199,24 @@ def main(argv: list[str] | None = None) -> int:
             status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
                                   "--ignore-eos", cfg.demo_prompt])
         else:
-            while not stack.stopping.wait(0.5):
-                dead = stack.first_exited()
-                if dead is not None:
-                    print(f"{dead.name} exited with status {dead.popen.returncode}:\n{stack.tail(dead)}",
-                          file=sys.stderr)
-                    status = 1
-                    break
+            reported: set[str] = set()
+            while True:  # until Ctrl-C / SIGTERM
+                time.sleep(0.5)
+                for dead in stack.exited():  # the rest keep serving (the router routes around it)
+                    if dead.name not in reported:
+                        reported.add(dead.name)
+                        print(f"{dead.name} exited with status {dead.popen.returncode}; the other "
+                              f"processes keep serving. Its last lines:\n{stack.tail(dead)}",
+                              file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        pass
     except RuntimeError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         status = 1
     finally:
         print("stopping...", flush=True)
+        for s in previous:  # a second Ctrl-C must not interrupt the clean-up
+            signal.signal(s, signal.SIG_IGN)
         stack.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +20,28 @@ def run_worker(role: str, config_cls: type[WorkerConfig], argv: list[str] | None
                make_worker: Callable[[Any, Any, AgentClient | None, str], Any],
                register: Callable[[Any], Callable[[Any], None]], description: str) -> int:
     """Parse config, build the engine, register the pool with the agent, serve until SIGTERM."""
-    from pdserve.engine.loop import EngineLoop
-    from pdserve.engine.setup import build_engine
 
     cfg = parse_config(config_cls, role, argv, prog=f"pdserve {role}", description=description)
     setup_logging(cfg.log_format, cfg.log_level, service=role)
+    # Until the server's own drain handler takes over, a stop request unwinds through the
+    # `finally` below, so the pool's shared memory is released even during start-up.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(role, cfg, make_worker, register)
+    except KeyboardInterrupt:
+        log.info("%s: stopped during start-up", role)
+        return 0
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _run(role: str, cfg: WorkerConfig, make_worker: Callable[[Any, Any, AgentClient | None, str], Any],
+         register: Callable[[Any], Callable[[Any], None]]) -> int:
+    from pdserve.engine.loop import EngineLoop
+    from pdserve.engine.setup import build_engine
+
     worker_id = cfg.worker_id or f"{role}@{cfg.advertise_host}:{cfg.port}"
     engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
                                      block_size=cfg.block_size, num_pages=cfg.num_pages,

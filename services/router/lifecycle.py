@@ -1,13 +1,14 @@
 """Everything the router does for one Generate call.
 
     validate + tokenize -> reserve on decode D + prefill on P (handoff.py, retried there)
-    -> first token (from prefill) sent at once as the first delta
-    -> D.Decode(ticket, prompt ids, first token) streams tokens 2..n
+    -> D.Decode(ticket, prompt ids, first token): its first message says the sequence is live
+    -> first token (sampled by prefill) sent as the first delta, then Timing
+    -> D streams tokens 2..n
     -> detokenize, stop strings, max_tokens -> deltas -> Finish
 
-Stream order, always: delta(first token), Timing, deltas..., Finish. Timing is sent when
-decode's first DecodeResponse arrives (it carries decode_start_ms), before that response's
-tokens; when the request ends at the first token (EOS, stop string, max_tokens=1) decode is
+Stream order, always: delta(first token), Timing, deltas..., Finish. The first delta and
+Timing are sent when decode's first DecodeResponse arrives (it carries decode_start_ms), so
+TTFT = queue + prefill + kv_transfer + decode_start + the router's own time; when the request ends at the first token (EOS, stop string, max_tokens=1) decode is
 never started, its reservation is released, and Timing follows the first delta with
 decode_start_ms 0. The first delta's text may be "" (a partial character, or text held back as
 a possible stop string) but it always carries the token id, so TTFT is the first token's.
@@ -138,13 +139,10 @@ class Lifecycle:
         try:
             first = handoff.prefill.first_token
             taken, text = completion.accept([first])
-            yield _delta(rid, text, taken)
-            clock.sent(1, self._clock())
-            timing.ttft_ms = clock.ttft_ms
-            fields.update(ttft_ms=round(timing.ttft_ms, 3), queue_ms=round(timing.queue_ms, 3),
-                          prefill_ms=round(timing.prefill_ms, 3),
-                          kv_transfer_ms=round(timing.kv_transfer_ms, 3), kv_bytes=timing.kv_bytes)
+            first_delta = _delta(rid, text, taken)
             if completion.finish_reason:
+                yield first_delta
+                self._first_sent(clock, timing, fields)
                 reservation.release(f"finished at the first token ({completion.finish_reason})")
                 yield router_pb2.GenerateResponse(request_id=rid, timing=timing)
             else:
@@ -154,8 +152,8 @@ class Lifecycle:
                     sampling=gen.sampling.to_proto()))
                 with scope.guard(call.cancel):
                     try:
-                        decode_finished = yield from self._decode(call, rid, completion, timing,
-                                                                  clock, handoff)
+                        decode_finished = yield from self._decode(
+                            call, first_delta, completion, timing, clock, handoff, fields)
                     except grpc.RpcError as exc:
                         if scope.cancelled:
                             raise ClientCancelled() from None
@@ -189,15 +187,30 @@ class Lifecycle:
                             f"router finished the request ({completion.finish_reason})"
                             if completion.finish_reason else "router-side failure")
 
-    def _decode(self, call: Any, rid: str, completion: Completion, timing: router_pb2.Timing,
-                clock: TokenClock, handoff: Handoff
-                ) -> Iterator[router_pb2.GenerateResponse]:
-        """Relay decode's stream; returns True when decode itself finished the sequence."""
+    def _first_sent(self, clock: TokenClock, timing: router_pb2.Timing,
+                    fields: dict[str, Any]) -> None:
+        clock.sent(1, self._clock())
+        timing.ttft_ms = clock.ttft_ms
+        fields.update(ttft_ms=round(timing.ttft_ms, 3), queue_ms=round(timing.queue_ms, 3),
+                      prefill_ms=round(timing.prefill_ms, 3),
+                      kv_transfer_ms=round(timing.kv_transfer_ms, 3), kv_bytes=timing.kv_bytes)
+
+    def _decode(self, call: Any, first_delta: router_pb2.GenerateResponse, completion: Completion,
+                timing: router_pb2.Timing, clock: TokenClock, handoff: Handoff,
+                fields: dict[str, Any]) -> Iterator[router_pb2.GenerateResponse]:
+        """Relay decode's stream; returns True when decode itself finished the sequence.
+
+        The first token (sampled by prefill) goes out when decode's first message says the
+        sequence is live in its batch, so TTFT includes decode_start_ms.
+        """
+        rid = first_delta.request_id
         first = True
         for message in call:
             if first:
                 first = False
                 timing.decode_start_ms = message.decode_start_ms
+                yield first_delta
+                self._first_sent(clock, timing, fields)
                 yield router_pb2.GenerateResponse(request_id=rid, timing=timing)
             taken, text = completion.accept(message.token_ids)
             if message.finish_reason and not completion.finish_reason:

@@ -57,6 +57,9 @@ class Worker:
     last_error: str = field(default="", repr=False)
 
 
+RECHECK_DOWN_S = 0.5
+
+
 class WorkerPool:
     """All workers of both roles, kept checked by a background thread."""
 
@@ -90,7 +93,11 @@ class WorkerPool:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.check_now()
-            self._wake.wait(self.interval_s)
+            with self._lock:
+                all_healthy = all(w.healthy for w in self._workers.values())
+            # A worker that is down (or still starting) is looked at again soon, so it rejoins
+            # quickly; healthy ones every interval.
+            self._wake.wait(self.interval_s if all_healthy else min(self.interval_s, RECHECK_DOWN_S))
             self._wake.clear()
 
     def check_now(self) -> None:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.service
 FP = common_pb2.LayoutFingerprint(model_id="builtin-test", model_revision="r1", dtype="float32",
                                   num_layers=2, num_kv_heads=2, head_dim=16, block_size=4,
                                   tp_rank=0, tp_size=1)
-PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers x K,V x block x heads x head_dim x fp32
+PAGE_BYTES = 393216
 NUM_PAGES = 64
 BIG_PAGES = 2048  # 8 MiB pools for the cancel-while-writing case
 Code = grpc.StatusCode

@@ -1,0 +1,90 @@
+"""A whole pdserve stack for service tests: `pdserve up` in its own process group."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import socket
+from collections.abc import Iterator
+
+import grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+
+from tests.support import pdserve_argv, running
+
+
+def _port_block(n: int, tries: int = 50) -> int:
+    """A base port with n free ports above it (on loopback, checked by binding)."""
+    for _ in range(tries):
+        base = random.randint(20000, 40000)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+@dataclasses.dataclass
+class Stack:
+    router: str
+    prefill: list[str]
+    decode: list[str]
+    proc: object
+
+    def generate(self, timeout_s: float = 120.0, **fields) -> list[router_pb2.GenerateResponse]:
+        with grpc.insecure_channel(self.router) as ch:
+            return list(router_pb2_grpc.RouterStub(ch).Generate(
+                router_pb2.GenerateRequest(**fields), timeout=timeout_s))
+
+    def decode_stats(self, index: int = 0) -> decode_pb2.WorkerStats:
+        with grpc.insecure_channel(self.decode[index]) as ch:
+            return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
+
+
+@contextlib.contextmanager
+def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool = False,
+                  env: dict[str, str] | None = None) -> Iterator[Stack]:
+    base = _port_block(40)
+    ports = dict(port=base, prefill_port=base + 10, decode_port=base + 20, agent_port=base + 30,
+                 colocated_port=base + 35)
+    argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
+                        "--kv-cache-mb", "32", *args,
+                        *(x for k, v in ports.items() for x in (f"--{k.replace('_', '-')}", str(v))))
+    if colocated:
+        argv.append("--colocated")
+    router = f"127.0.0.1:{base}"
+    with running(argv, router, env=env, timeout_s=240) as proc:
+        if colocated:
+            workers = [f"127.0.0.1:{ports['colocated_port']}"]
+            yield Stack(router, workers, workers, proc)
+        else:
+            yield Stack(router, [f"127.0.0.1:{base + 10 + i}" for i in range(prefill)],
+                        [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc)
+
+
+def collect(responses: list[router_pb2.GenerateResponse]) -> tuple[list[int], str, router_pb2.Timing,
+                                                                     router_pb2.Finish]:
+    """(token ids, text, timing, finish) of one finished stream."""
+    ids: list[int] = []
+    text = ""
+    timing = finish = None
+    for r in responses:
+        kind = r.WhichOneof("kind")
+        if kind == "delta":
+            ids += r.delta.token_ids
+            text += r.delta.text
+        elif kind == "timing":
+            timing = r.timing
+        elif kind == "finish":
+            finish = r.finish
+    assert timing is not None and finish is not None, "stream ended without timing or finish"
+    return ids, text, timing, finish

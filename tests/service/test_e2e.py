@@ -1,0 +1,117 @@
+"""The disaggregated path end to end: router → prefill → KV handoff (UCX / TCP) → decode.
+
+Real processes on loopback (`pdserve up`), the built-in tiny model, outputs checked token for
+token against transformers.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+from tests.service.conftest import MAX_TOKENS, PROMPTS
+from tests.service.stack import collect, pdserve_stack
+
+pytestmark = pytest.mark.service
+
+DECODE_PAGES = 200
+WORKER_ENV = {
+    "PDSERVE_PREFILL_CHUNK_SIZE": "32",  # long prompts are prefilled in chunks
+    "PDSERVE_DECODE_NUM_PAGES": str(DECODE_PAGES),
+}
+
+
+@pytest.fixture(scope="module", params=["ucx", "tcp"])
+def stack(request, tiny_model_dir):
+    with pdserve_stack("--transport", request.param, env=WORKER_ENV) as s:
+        s.transport = request.param
+        yield s
+
+
+def _greedy(stack, prompt: str):
+    return collect(stack.generate(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+def _check(prompt, got_ids, text, timing, finish, reference, transport):
+    tok, refs = reference
+    n_prompt, ref_ids = refs[prompt]
+    assert got_ids == ref_ids, f"prompt {prompt[:30]!r}"
+    assert text == tok.decode([t for t in ref_ids if t not in tok.all_special_ids])
+    assert finish.prompt_tokens == n_prompt and finish.completion_tokens == len(ref_ids)
+    assert timing.kv_transport == transport
+    assert timing.kv_transfer_ms > 0
+    page_bytes = 2 * 2 * 16 * 2 * 16 * 4  # tiny: layers, K/V, block, kv heads, head dim, fp32
+    assert timing.kv_pages == -(-n_prompt // 16)
+    assert timing.kv_bytes == timing.kv_pages * page_bytes
+    assert timing.ttft_ms >= timing.prefill_ms + timing.kv_transfer_ms
+
+
+def test_greedy_output_equals_transformers_one_by_one(stack, reference):
+    for prompt in PROMPTS:
+        _check(prompt, *_greedy(stack, prompt), reference, stack.transport)
+
+
+def test_sixteen_concurrent_streams_equal_transformers(stack, reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: _greedy(stack, p), prompts))
+    for prompt, result in zip(prompts, results):
+        _check(prompt, *result, reference, stack.transport)
+    assert stack.decode_stats().free_pages == stack.decode_stats().num_pages
+
+
+def _wait_for(predicate, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)  # bounded poll of the worker's Stats
+    return False
+
+
+def test_cancelled_stream_frees_decode_pages(stack):
+    start = stack.decode_stats()
+    with grpc.insecure_channel(stack.router) as ch:
+        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+            prompt=PROMPTS[4], max_tokens=2000, temperature=0.0, ignore_eos=True), timeout=120)
+        deltas = 0
+        for msg in call:
+            deltas += msg.WhichOneof("kind") == "delta"
+            if deltas == 5:
+                break
+        during = stack.decode_stats()
+        call.cancel()
+    assert during.free_pages < start.free_pages
+    assert _wait_for(lambda: stack.decode_stats().free_pages == start.free_pages)
+    assert stack.decode_stats().running_sequences == 0
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "model": "no-such-model"}, "model"),
+    ({"prompt": "x " * 5000}, "prompt"),
+])
+def test_invalid_input_is_invalid_argument_naming_the_field(stack, fields, field):
+    with pytest.raises(grpc.RpcError) as err:
+        stack.generate(**fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    _greedy(stack, "still serving")  # the service stays up
+
+
+def test_overfull_decode_pool_is_resource_exhausted(stack):
+    stats = stack.decode_stats()
+    assert stats.num_pages == DECODE_PAGES
+    # Within the model's context (4096) but more than the decode pool holds (200 × 16 tokens).
+    with pytest.raises(grpc.RpcError) as err:
+        stack.generate(token_ids=[5] * 3500, max_tokens=4, temperature=0.0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stack.decode_stats().free_pages == stats.num_pages
+    _greedy(stack, "still serving")

@@ -1,0 +1,62 @@
+"""A prefill worker dying before the first token, and the co-located baseline."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from pdserve.common.shm import sweep_stale
+
+from tests.service.conftest import PROMPTS
+from tests.service.stack import collect, pdserve_stack
+
+pytestmark = pytest.mark.service
+
+
+def _pid_of(*args: str) -> int:
+    """The pid of the process whose command line holds all of `args` in order."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode(errors="replace") for w in cmd]
+        if all(a in words for a in args):
+            return int(proc.name)
+    raise LookupError(f"no process with {args}")
+
+
+def _greedy(stack, prompt, **kw):
+    return collect(stack.generate(prompt=prompt, max_tokens=20, temperature=0.0, **kw))
+
+
+def test_prefill_killed_before_first_token_retries_on_the_other(reference):
+    # The router looks at worker health rarely here, so the first request after the kill is
+    # still placed on the dead worker (lowest address) and must be retried on the other one.
+    env = {"PDSERVE_ROUTER_HEALTH_INTERVAL_S": "600"}
+    with pdserve_stack(prefill=2, env=env) as stack:
+        first, second = sorted(stack.prefill)
+        pid = _pid_of("pdserve.prefill.main", "--port", first.rsplit(":", 1)[1])
+        os.kill(pid, signal.SIGKILL)
+        tok, refs = reference
+        ids, text, timing, finish = _greedy(stack, PROMPTS[2])
+        assert ids == refs[PROMPTS[2]][1]
+        assert timing.attempts == 2
+        assert timing.prefill_worker.endswith(second.rsplit(":", 1)[1])
+        assert stack.decode_stats().free_pages == stack.decode_stats().num_pages
+    sweep_stale()  # the killed worker could not unlink its pool
+
+
+def test_colocated_gives_the_same_greedy_outputs(reference):
+    tok, refs = reference
+    with pdserve_stack(colocated=True) as stack:
+        for prompt in PROMPTS:
+            ids, text, timing, finish = _greedy(stack, prompt)
+            assert ids == refs[prompt][1], prompt
+            assert timing.kv_transport == "local"
+        stats = stack.decode_stats()
+        assert stats.free_pages == stats.num_pages
