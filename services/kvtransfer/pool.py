@@ -40,6 +40,8 @@ class Fingerprint:
 
     def expect_same(self, other: Fingerprint, mine: str, theirs: str) -> None:
         """Raise LayoutMismatch naming each differing field as `field: mine != theirs`."""
+        if self == other:
+            return
         diffs = self.mismatches(other)
         if diffs:
             raise LayoutMismatch(f"layout mismatch between {mine} and {theirs} pool: "

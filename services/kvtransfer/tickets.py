@@ -87,8 +87,9 @@ class TicketBook:
         if lease_s <= 0:
             raise BadRequest(f"ticket {key}: lease_ms must be > 0, got {lease_s * 1e3:g}")
         with self._cond:
-            self._sweep_locked()
             old = self._tickets.get(key)
+            if old is not None:
+                self._expire_locked(old, self._clock())
             if old is not None and old.state is not State.EXPECTED:
                 self._raise_state(old)
             self._tickets[key] = Expectation(key, pool_id, tuple(page_ids), self._clock() + lease_s)
@@ -132,10 +133,10 @@ class TicketBook:
         is in flight. Unknown tickets are fine (idempotent). Raises TransferTimeout if an
         aborted write did not stop within `wait_s`."""
         with self._cond:
-            self._sweep_locked()
             exp = self._tickets.get(key)
             if exp is None:
                 return False, False
+            self._expire_locked(exp, self._clock())
             was_pending = exp.state in (State.EXPECTED, State.WRITING)
             was_complete = exp.state is State.COMPLETE
             if exp.state is not State.EXPIRED:
@@ -157,7 +158,8 @@ class TicketBook:
             return Status(exp.state is State.COMPLETE, exp.kv_bytes, exp.completed_unix_ms)
 
     def sweep(self) -> None:
-        """Expire passed leases and forget closed tickets after their retention."""
+        """Expire passed leases and forget closed tickets after their retention (every call
+        site also expires the one ticket it touches, so this only bounds memory)."""
         with self._cond:
             self._sweep_locked()
 
@@ -167,11 +169,16 @@ class TicketBook:
 
     # ---- internals (lock held) --------------------------------------------------------
     def _live(self, key: TicketKey) -> Expectation:
-        self._sweep_locked()
         exp = self._tickets.get(key)
         if exp is None:
             raise UnknownTicket(f"unknown ticket {key} (never expected here, or long closed)")
+        self._expire_locked(exp, self._clock())
         return exp
+
+    def _expire_locked(self, exp: Expectation, now: float) -> None:
+        if exp.state is State.EXPECTED and now >= exp.lease_deadline:
+            exp.state = State.EXPIRED
+            exp.forget_at = now + self._retention_s
 
     def _raise_state(self, exp: Expectation) -> None:
         if exp.state is State.CANCELLED:
@@ -186,9 +193,7 @@ class TicketBook:
     def _sweep_locked(self) -> None:
         now = self._clock()
         for key, exp in list(self._tickets.items()):
-            if exp.state is State.EXPECTED and now >= exp.lease_deadline:
-                exp.state = State.EXPIRED
-                exp.forget_at = now + self._retention_s
+            self._expire_locked(exp, now)
             if now >= exp.forget_at and not exp.writing:
                 del self._tickets[key]
 

@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 from pdserve.kvtransfer.errors import (
-    BadRequest,
     KvTransferError,
     PeerUnavailable,
     TransferTimeout,
 )
 from pdserve.kvtransfer.transport import (
     LIVENESS_INTERVAL_S,
+    IncomingWrite,
     Liveness,
     PeerContact,
     Transport,
@@ -52,12 +52,24 @@ log = logging.getLogger("pdserve.kvtransfer.ucx")
 
 _HEADER, _READY, _DONE, _DATA = 1, 2, 3, 4
 _EMPTY = np.empty(0, dtype=np.uint8)
-IDLE_POLL_S = 0.0005  # longest sleep between checks while waiting (idle header loop included)
+IDLE_POLL_S = 0.0005  # longest sleep between checks for a header (an idle agent wakes 2000/s)
+MAX_POLL_S = 0.002  # longest sleep between checks while a handoff is under way
 RETIRE_WAIT_S = 5.0
 
 
 def _tag(kind: int, xfer_id: int = 0, run: int = 0) -> int:
     return (kind << 60) | ((xfer_id & ((1 << 36) - 1)) << 24) | run
+
+
+def _finished(req: Any, logger: logging.Logger) -> bool:
+    """True once a fire-and-forget request completed (a failure is logged, not raised)."""
+    if not req.completed:
+        return False
+    try:
+        req.check_error()
+    except Exception as exc:  # UCX errors of a reply nobody waits for: the sender times out
+        logger.warning("a reply to a sender failed: %s", exc)
+    return True
 
 
 class _Aborted(Exception):
@@ -75,7 +87,8 @@ class UcxTransport(Transport):
         self._stopping = threading.Event()
         self._eps: dict[bytes, Any] = {}
         self._eps_lock = threading.Lock()
-        self._drains: list[tuple[Any, np.ndarray]] = []
+        self._drains: list[tuple[Any, np.ndarray]] = []  # receives that swallow stragglers
+        self._replies: list[tuple[Any, np.ndarray]] = []  # replies not yet known sent
         self._drains_lock = threading.Lock()
         self._address = b""
         self._sink: WriteSink | None = None
@@ -151,6 +164,8 @@ class UcxTransport(Transport):
 
     # ---- receiving --------------------------------------------------------------------
     def _header_loop(self) -> None:
+        """Take headers one by one; check each and post its receives here (the critical path),
+        then leave the wait for its bytes to a receive thread."""
         buf = np.zeros(MAX_HEADER_BYTES, dtype=np.uint8)
         while not self._stopping.is_set():
             req = self._recv(buf, _tag(_HEADER))
@@ -162,34 +177,32 @@ class UcxTransport(Transport):
                 return
             try:
                 req.check_error()
-                data = bytes(buf[:WriteHeader.size(bytes(buf[:PREFIX_BYTES]))])
-            except (self._api.UCXError, BadRequest) as exc:
-                log.warning("dropped a malformed KV header: %s", exc)
+                header = WriteHeader.decode(buf[:WriteHeader.size(bytes(buf[:PREFIX_BYTES]))])
+                ep = self._endpoint(header.reply_to)
+            except (self._api.UCXError, KvTransferError) as exc:
+                log.warning("dropped a KV header that cannot be answered: %s", exc)
                 continue
-            assert self._executor is not None
-            self._executor.submit(self._serve, data)
+            self._accept(header, ep)
 
-    def _serve(self, data: bytes) -> None:
-        """One incoming handoff, on a receive thread."""
-        assert self._sink is not None
-        try:
-            header = WriteHeader.decode(data)
-            ep = self._endpoint(header.reply_to)
-        except KvTransferError as exc:
-            log.warning("cannot answer a KV header: %s", exc)
-            return
+    def _accept(self, header: WriteHeader, ep: Any) -> None:
+        assert self._sink is not None and self._executor is not None
         xfer = header.xfer_id
         try:
             write = self._sink.accept(header)
         except KvTransferError as exc:
-            self._reply(ep, _tag(_READY, xfer), Reply.failure("ready", exc))
+            self._post_reply(ep, _tag(_READY, xfer), Reply.failure("ready", exc))
             return
         recvs = [(self._recv(view, _tag(_DATA, xfer, i)), _tag(_DATA, xfer, i))
                  for i, view in enumerate(write.dst_views)]
-        deadline = time.monotonic() + receive_deadline_s(header)
+        self._post_reply(ep, _tag(_READY, xfer), Reply("ready"))
+        self._executor.submit(self._land, write, recvs, ep)
+
+    def _land(self, write: IncomingWrite, recvs: list[tuple[Any, int]], ep: Any) -> None:
+        """Wait until every run landed (or the ticket is cancelled); then answer DONE."""
+        assert self._sink is not None
+        deadline = time.monotonic() + receive_deadline_s(write.header)
         ok, error = False, None
         try:
-            self._reply(ep, _tag(_READY, xfer), Reply("ready"))
             self._wait([r for r, _ in recvs], deadline, abort=write.abort,
                        doing="waiting for the handoff's bytes")
             ok = True
@@ -206,15 +219,15 @@ class UcxTransport(Transport):
             error = error or exc
         if error is None and not ok:
             error = TransferTimeout("the handoff stopped before all bytes arrived")
-        self._reply(ep, _tag(_DONE, xfer), Reply("done") if error is None
-                    else Reply.failure("done", error))
+        self._post_reply(ep, _tag(_DONE, write.header.xfer_id),
+                         Reply("done") if error is None else Reply.failure("done", error))
 
-    def _reply(self, ep: Any, tag: int, reply: Reply) -> None:
+    def _post_reply(self, ep: Any, tag: int, reply: Reply) -> None:
+        """Send a reply without waiting; its buffer is kept until the send completed."""
         msg = np.frombuffer(reply.encode(), dtype=np.uint8)
-        try:
-            self._wait([self._send(ep, msg, tag)], time.monotonic() + 5.0, doing="replying")
-        except KvTransferError as exc:
-            log.warning("could not reply to the sender: %s", exc)
+        with self._drains_lock:
+            self._replies = [(r, b) for r, b in self._replies if not _finished(r, log)]
+            self._replies.append((self._send(ep, msg, tag), msg))
 
     # ---- UCX plumbing -----------------------------------------------------------------
     def _endpoint(self, address: bytes) -> Any:
@@ -242,8 +255,8 @@ class UcxTransport(Transport):
     def _wait(self, reqs: Sequence[Any], deadline: float, *, doing: str,
               abort: threading.Event | None = None, liveness: Liveness | None = None) -> None:
         """Poll until every request completed; bounded by `deadline`, cut short by `abort`."""
-        pending, delay = list(reqs), 0.0
-        next_check = time.monotonic() + LIVENESS_INTERVAL_S
+        pending, started = list(reqs), time.monotonic()
+        next_check = started + LIVENESS_INTERVAL_S
         while pending:
             pending = [r for r in pending if not r.completed]
             if not pending:
@@ -258,8 +271,9 @@ class UcxTransport(Transport):
             if liveness is not None and now >= next_check:
                 liveness()
                 next_check = now + LIVENESS_INTERVAL_S
-            time.sleep(delay)
-            delay = min(delay * 2 or 2e-5, IDLE_POLL_S)
+            # Sleep a twentieth of the time waited so far: fine polling for short waits, a
+            # bounded (~5%) overshoot and few wake-ups for long ones.
+            time.sleep(min(max((now - started) / 20, 2e-5), MAX_POLL_S))
         for req in reqs:
             try:
                 req.check_error()

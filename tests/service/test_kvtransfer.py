@@ -29,7 +29,7 @@ pytestmark = pytest.mark.service
 FP = common_pb2.LayoutFingerprint(model_id="builtin-test", model_revision="r1", dtype="float32",
                                   num_layers=2, num_kv_heads=2, head_dim=16, block_size=4,
                                   tp_rank=0, tp_size=1)
-PAGE_BYTES = 393216
+PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers x K,V x block x heads x head_dim x fp32
 NUM_PAGES = 64
 BIG_PAGES = 2048  # 8 MiB pools for the cancel-while-writing case
 Code = grpc.StatusCode
@@ -48,9 +48,13 @@ class Pool:
         self.data = np.frombuffer(self.segment.buffer, dtype=np.uint8)
         self.data[:] = np.random.default_rng(seed).integers(0, 256, self.data.size, dtype=np.uint8)
         self.fingerprint = fingerprint
-        reply = stub.RegisterPool(kvtransfer_pb2.RegisterPoolRequest(
-            worker_id=worker_id, shm_name=self.segment.name, num_pages=num_pages,
-            page_bytes=PAGE_BYTES, fingerprint=fingerprint), timeout=10)
+        try:
+            reply = stub.RegisterPool(kvtransfer_pb2.RegisterPoolRequest(
+                worker_id=worker_id, shm_name=self.segment.name, num_pages=num_pages,
+                page_bytes=PAGE_BYTES, fingerprint=fingerprint), timeout=10)
+        except grpc.RpcError:
+            self.close()
+            raise
         self.pool_id, self.agent_epoch = reply.pool_id, reply.agent_epoch
 
     def page(self, i: int) -> np.ndarray:
