@@ -119,12 +119,12 @@ class UcxTransport(Transport):
     def close(self) -> None:
         if self._stopping.is_set() or self._thread is None:
             return
-        self._stopping.set()
+        self._stopping.set()  # every wait gives up within MAX_POLL_S
         wake = self._send(self._self_ep, _EMPTY, _tag(_HEADER))  # completes the posted receive
         self._thread.join(timeout=2.0)
         del wake
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._executor is not None:  # receives still landing retire theirs (bounded)
+            self._executor.shutdown(wait=True, cancel_futures=True)
         self._worker.stop_progress_thread()
 
     def forget(self, peer: PeerContact) -> None:
@@ -291,7 +291,7 @@ class UcxTransport(Transport):
                 self._drains.append((self._send(self._self_ep, _EMPTY, tag), _EMPTY))
                 buf = np.empty(drain_bytes, dtype=np.uint8)
                 self._drains.append((self._recv(buf, tag), buf))
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (RETIRE_WAIT_S if self._stopping.is_set() else wait_s)
         while any(not r.completed for r, _ in reqs):
             if time.monotonic() >= deadline:
                 log.error("posted receives still busy %.1fs after retiring them", wait_s)
