@@ -6,10 +6,12 @@ import contextlib
 import dataclasses
 import random
 import socket
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.up import metrics_offset
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
 from tests.support import pdserve_argv, running
 
@@ -39,11 +41,22 @@ class Stack:
     prefill: list[str]
     decode: list[str]
     proc: object
+    metrics: dict[str, str] = dataclasses.field(default_factory=dict)  # process name -> URL
+
+    def scrape(self, name: str) -> str:
+        """The Prometheus text of one process (`router`, `prefill-0`, `decode-0`,
+        `kvtransfer-a` (prefill's host), `kvtransfer-b` (decode's), `colocated`)."""
+        with urllib.request.urlopen(self.metrics[name], timeout=10) as reply:
+            return reply.read().decode()
 
     def generate(self, timeout_s: float = 120.0, **fields) -> list[router_pb2.GenerateResponse]:
         with grpc.insecure_channel(self.router) as ch:
             return list(router_pb2_grpc.RouterStub(ch).Generate(
                 router_pb2.GenerateRequest(**fields), timeout=timeout_s))
+
+    def prefill_stats(self, index: int = 0) -> decode_pb2.WorkerStats:
+        with grpc.insecure_channel(self.prefill[index]) as ch:
+            return prefill_pb2_grpc.PrefillStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
 
     def decode_stats(self, index: int = 0) -> decode_pb2.WorkerStats:
         with grpc.insecure_channel(self.decode[index]) as ch:
@@ -54,21 +67,29 @@ class Stack:
 def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool = False,
                   env: dict[str, str] | None = None) -> Iterator[Stack]:
     base = _port_block(40)
+    metrics_base = _port_block(45)
+    while abs(metrics_base - base) < 45:  # the two blocks must not overlap
+        metrics_base = _port_block(45)
     ports = dict(port=base, prefill_port=base + 10, decode_port=base + 20, agent_port=base + 30,
-                 colocated_port=base + 35)
+                 colocated_port=base + 35, metrics_port=metrics_base)
     argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
                         "--kv-cache-mb", "32", *args,
                         *(x for k, v in ports.items() for x in (f"--{k.replace('_', '-')}", str(v))))
     if colocated:
         argv.append("--colocated")
     router = f"127.0.0.1:{base}"
+    names = ["router", *(["colocated"] if colocated else [
+        *(f"prefill-{i}" for i in range(prefill)), *(f"decode-{i}" for i in range(decode)),
+        "kvtransfer-a", "kvtransfer-b"])]
+    metrics = {name: f"http://127.0.0.1:{metrics_base + metrics_offset(name)}/metrics"
+               for name in names}
     with running(argv, router, env=env, timeout_s=240) as proc:
         if colocated:
             workers = [f"127.0.0.1:{ports['colocated_port']}"]
-            yield Stack(router, workers, workers, proc)
+            yield Stack(router, workers, workers, proc, metrics)
         else:
             yield Stack(router, [f"127.0.0.1:{base + 10 + i}" for i in range(prefill)],
-                        [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc)
+                        [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics)
 
 
 def collect(responses: list[router_pb2.GenerateResponse]) -> tuple[list[int], str, router_pb2.Timing,

@@ -88,6 +88,8 @@ def test_cancelled_stream_frees_decode_pages(stack):
     assert during.free_pages < start.free_pages
     assert _wait_for(lambda: stack.decode_stats().free_pages == start.free_pages)
     assert stack.decode_stats().running_sequences == 0
+    prefill = stack.prefill_stats()
+    assert prefill.free_pages == prefill.num_pages
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -115,3 +117,23 @@ def test_overfull_decode_pool_is_resource_exhausted(stack):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stack.decode_stats().free_pages == stats.num_pages
     _greedy(stack, "still serving")
+
+
+def test_reservation_whose_handoff_never_comes_is_reclaimed_when_its_lease_expires(stack):
+    from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+    total = stack.decode_stats().num_pages
+    with grpc.insecure_channel(stack.decode[0]) as ch:
+        decode = decode_pb2_grpc.DecodeStub(ch)
+        reply = decode.Reserve(decode_pb2.ReserveRequest(request_id="orphan", num_prompt_tokens=100,
+                                                         lease_ms=300), timeout=10)
+        assert len(reply.destination.page_ids) == 7
+        assert stack.decode_stats().free_pages == total - 7
+        # Nobody prefills: the lease runs out and the pages come back by themselves.
+        assert _wait_for(lambda: stack.decode_stats().free_pages == total, timeout_s=15)
+        with pytest.raises(grpc.RpcError) as err:  # a late Decode for the expired ticket
+            list(decode.Decode(decode_pb2.DecodeRequest(
+                ticket=reply.ticket, prompt_token_ids=[5] * 100, first_token=5,
+                sampling=common_pb2.SamplingParams(max_tokens=4, top_p=1.0)), timeout=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "expired" in err.value.details()

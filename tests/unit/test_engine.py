@@ -185,3 +185,19 @@ def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_pools_and_forward_run(tiny_model_dir, dtype):
+    model = load_model(tiny_model_dir, dtype=dtype)
+    engine = _engine(model, num_pages=64)
+    try:
+        assert engine.pool.fingerprint.dtype == dtype
+        assert engine.pool.tensor.dtype == getattr(torch, dtype)
+        outputs: dict[str, list[int]] = {}
+        engine.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                    ignore_eos=True))
+        _drain(engine, outputs)
+        assert len(outputs["r"]) == 8 and all(0 <= t < model.vocab_size for t in outputs["r"])
+    finally:
+        engine.close()
