@@ -1,4 +1,5 @@
-"""Shared fixtures: the built-in tiny model, created once per test session in a private cache."""
+"""Shared fixtures: the built-in tiny model (created once per session in a private cache) and
+transformers' reference outputs on it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +22,34 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     from pdserve.engine import builtin
 
     return builtin.ensure("tiny", cache_dir=cache_dir)
+
+
+PROMPTS = [
+    "a",
+    "Hello, world",
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self):",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i, 'is even')\n",
+    "日本語のテキストと emoji 🎉 mixed in",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
+    "incididunt ut labore et dolore magna aliqua. Ut enim ad minim veniam, quis nostrud "
+    "exercitation ullamco laboris nisi ut aliquip ex ea commodo consequat. " * 2,
+]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """(tokenizer, {prompt: (prompt tokens, transformers' greedy output ids)}) in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = {}
+    for prompt in PROMPTS:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        gen = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                          pad_token_id=tok.pad_token_id)
+        out[prompt] = (len(ids), gen[0, len(ids):].tolist())
+    return tok, out

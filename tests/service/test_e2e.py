@@ -13,7 +13,7 @@ import grpc
 import pytest
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
-from tests.service.conftest import MAX_TOKENS, PROMPTS
+from tests.conftest import MAX_TOKENS, PROMPTS
 from tests.service.stack import collect, pdserve_stack
 
 pytestmark = pytest.mark.service

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pdserve.common.shm import sweep_stale
 
-from tests.service.conftest import PROMPTS
+from tests.conftest import PROMPTS
 from tests.service.stack import collect, pdserve_stack
 
 pytestmark = pytest.mark.service

@@ -1,0 +1,157 @@
+"""Every process of `pdserve up` serves Prometheus text on its own port, and the numbers move
+by exactly what the requests did: counted once, bytes as reported, pages back to all free."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from pdserve.v1 import router_pb2, router_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.service.stack import collect, pdserve_stack
+
+pytestmark = pytest.mark.service
+
+N = 3
+PROMPT = "def fibonacci(n):"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir):
+    with pdserve_stack("--transport", "tcp") as s:
+        yield s
+
+
+class Scrape:
+    """One scrape of one process: {(sample name, labels): value}."""
+
+    def __init__(self, text: str):
+        self.families = list(text_string_to_metric_families(text))
+        self.values = {(s.name, frozenset(s.labels.items())): s.value
+                       for f in self.families for s in f.samples}
+
+    def __call__(self, name: str, **labels: str) -> float:
+        return self.values.get((name, frozenset(labels.items())), 0.0)
+
+
+def scrape_all(stack) -> dict[str, Scrape]:
+    return {name: Scrape(stack.scrape(name)) for name in stack.metrics}
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)  # bounded poll of a /metrics endpoint
+    return False
+
+
+def pages_all_free(stack, name: str) -> bool:
+    now = Scrape(stack.scrape(name))
+    role = name.split("-")[0]
+    return (now("pdserve_kv_pages_free", role=role) == now("pdserve_kv_pages_capacity", role=role)
+            > 0 and now("pdserve_kv_pages_used", role=role) == 0)
+
+
+def test_every_process_serves_only_pdserve_metrics(stack):
+    assert set(stack.metrics) == {"router", "prefill-0", "decode-0", "kvtransfer-a",
+                                  "kvtransfer-b"}
+    assert len({url for url in stack.metrics.values()}) == 5
+    for name, scrape in scrape_all(stack).items():
+        assert scrape.families, name
+        assert all(f.name.startswith("pdserve_") for f in scrape.families), name
+
+
+def test_requests_move_each_metric_by_exactly_what_they_did(stack):
+    before = scrape_all(stack)
+    timings = []
+    for _ in range(N):
+        ids, _text, timing, finish = collect(stack.generate(
+            prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        assert len(ids) == MAX_TOKENS and finish.finish_reason == "length"
+        timings.append(timing)
+    with pytest.raises(grpc.RpcError) as err:
+        stack.generate(prompt="", max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wait_for(lambda: pages_all_free(stack, "decode-0"))
+    assert pages_all_free(stack, "prefill-0")
+    after = scrape_all(stack)
+    kv_bytes = sum(t.kv_bytes for t in timings)
+    assert kv_bytes > 0 and {t.kv_transport for t in timings} == {"tcp"}
+
+    def moved(name: str, metric: str, **labels: str) -> float:
+        return after[name](metric, **labels) - before[name](metric, **labels)
+
+    # router: each request counted once, by outcome and code; the TTFT breakdown per request
+    assert moved("router", "pdserve_requests_total", outcome="ok", code="OK") == N
+    assert moved("router", "pdserve_requests_total", outcome="error",
+                 code="INVALID_ARGUMENT") == 1
+    assert after["router"]("pdserve_requests_in_flight") == 0
+    for metric in ("ttft", "queue", "prefill", "decode_start", "tpot"):
+        assert moved("router", f"pdserve_{metric}_seconds_count") == N, metric
+    assert moved("router", "pdserve_kv_transfer_seconds_count", transport="tcp") == N
+    ttft_s = sum(t.ttft_ms for t in timings) / 1e3
+    assert moved("router", "pdserve_ttft_seconds_sum") == pytest.approx(ttft_s, rel=1e-6)
+    assert moved("router", "pdserve_e2e_seconds_count", outcome="ok") == N
+    assert moved("router", "pdserve_e2e_seconds_count", outcome="error") == 1
+    assert N <= moved("router", "pdserve_itl_seconds_count") <= N * (MAX_TOKENS - 1)
+    assert moved("router", "pdserve_itl_seconds_sum") > 0
+    assert moved("router", "pdserve_kv_bytes_total", transport="tcp") == kv_bytes
+    assert moved("router", "pdserve_completion_tokens_total") == N * MAX_TOKENS
+    # agents: host A (prefill) sent the bytes the Timing messages reported, host B received them
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_bytes_total", transport="tcp",
+                 direction="send") == kv_bytes
+    assert moved("kvtransfer-b", "pdserve_kv_transfer_bytes_total", transport="tcp",
+                 direction="receive") == kv_bytes
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_pages_total", transport="tcp",
+                 direction="send") == sum(t.kv_pages for t in timings)
+    assert moved("kvtransfer-a", "pdserve_kv_handoff_seconds_count", transport="tcp") == N
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_count", transport="tcp") == N
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_sum", transport="tcp") > 0
+    for agent in ("kvtransfer-a", "kvtransfer-b"):
+        failures = [s for f in after[agent].families if f.name == "pdserve_kv_transfer_failures"
+                    for s in f.samples if s.name.endswith("_total") and s.value]
+        assert failures == [], agent
+    # workers: one prefill each, N sequences finished by length, nothing left running
+    assert moved("prefill-0", "pdserve_prefill_requests_total", code="OK") == N
+    assert moved("decode-0", "pdserve_sequences_finished_total", reason="length") == N
+    for name in ("prefill-0", "decode-0"):
+        role = name.split("-")[0]
+        assert after[name]("pdserve_running_sequences", role=role) == 0
+        assert after[name]("pdserve_waiting_sequences", role=role) == 0
+    assert after["decode-0"]("pdserve_reserved_tickets", role="decode") == 0
+
+
+def test_cancelled_stream_is_counted_once_and_frees_its_pages(stack):
+    before = scrape_all(stack)
+    with grpc.insecure_channel(stack.router) as ch:
+        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+            prompt=PROMPT, max_tokens=2000, temperature=0.0, ignore_eos=True), timeout=120)
+        deltas = 0
+        for msg in call:
+            deltas += msg.WhichOneof("kind") == "delta"
+            if deltas == 3:
+                break
+        during = Scrape(stack.scrape("decode-0"))
+        call.cancel()
+    assert during("pdserve_running_sequences", role="decode") == 1
+    assert during("pdserve_kv_pages_used", role="decode") > 0
+
+    def counted() -> bool:
+        now = Scrape(stack.scrape("router"))
+        return now("pdserve_requests_in_flight") == 0 and now(
+            "pdserve_requests_total", outcome="cancelled", code="CANCELLED") > before["router"](
+            "pdserve_requests_total", outcome="cancelled", code="CANCELLED")
+
+    assert wait_for(counted)
+    assert wait_for(lambda: pages_all_free(stack, "decode-0"))
+    after = scrape_all(stack)
+    for outcome, code, n in (("cancelled", "CANCELLED", 1), ("ok", "OK", 0)):
+        assert (after["router"]("pdserve_requests_total", outcome=outcome, code=code)
+                - before["router"]("pdserve_requests_total", outcome=outcome, code=code)) == n
+    assert (after["decode-0"]("pdserve_sequences_finished_total", reason="abort")
+            - before["decode-0"]("pdserve_sequences_finished_total", reason="abort")) == 1
