@@ -39,6 +39,9 @@ class UpConfig:
     decode_port: int = option(50071, "first decode worker's port")
     agent_port: int = option(50081, "first kvtransfer agent's port")
     colocated_port: int = option(50091, "the co-located worker's port")
+    metrics_port: int = option(9051, "router's /metrics port; the others count up from it as the "
+                                     "gRPC ports do: prefill +10, decode +20, agents +30, "
+                                     "co-located +40 (0 = any free port, -1 = off)")
     kv_cache_mb: int = option(256, "KV pool per worker (MiB)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
@@ -49,6 +52,12 @@ class UpConfig:
         require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
         require(self.decode >= 1, "decode", self.decode, ">= 1")
         require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
+        require(-1 <= self.metrics_port <= 65535 - 50, "metrics_port", self.metrics_port,
+                "0..65485, or -1 (off)")
+
+    def metrics_port_of(self, offset: int) -> int:
+        """A process's metrics port: base + offset (0 and -1 stay as they are)."""
+        return self.metrics_port + offset if self.metrics_port > 0 else self.metrics_port
 
 
 @dataclass
@@ -56,12 +65,30 @@ class Proc:
     name: str
     address: str
     argv: list[str]
+    metrics_port: int = -1
     popen: subprocess.Popen | None = None
     log: Path | None = None
 
 
 def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
-    """The processes in start order (agents, workers, router)."""
+    """The processes in start order (agents, workers, router), each with its metrics port."""
+    procs = _plan(cfg, model_dir, model_name)
+    for p in procs:
+        p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name))
+        p.argv += ["--metrics-port", str(p.metrics_port)]
+    return procs
+
+
+METRICS_OFFSETS = {"router": 0, "prefill": 10, "decode": 20, "kvtransfer": 30, "colocated": 40}
+
+
+def metrics_offset(name: str) -> int:
+    """A process's metrics port above `--metrics-port`: `prefill-1` 11, `kvtransfer-b` 31."""
+    role, _, index = name.partition("-")
+    return METRICS_OFFSETS[role] + ("ab".index(index) if role == "kvtransfer" else int(index or 0))
+
+
+def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     py = [sys.executable, "-m"]
     worker_common = ["--model", cfg.model, "--kv-cache-mb", str(cfg.kv_cache_mb)]
     procs: list[Proc] = []
@@ -157,10 +184,15 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _banner(router: str) -> str:
+def _banner(router: str, procs: list[Proc]) -> str:
     body = '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+    metrics = [f"    {p.name:<12} http://127.0.0.1:{p.metrics_port}/metrics" for p in procs
+               if p.metrics_port > 0]
+    if any(p.metrics_port == 0 for p in procs):
+        metrics = ["    on free ports: see each process's log"]
     return "\n".join([
         f"pdserve is up. Router: {router}",
+        *(["  Prometheus metrics:", *metrics] if metrics else []),
         f"  grpcurl -plaintext -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
         f"  pdserve generate --address {router} --max-tokens 32 --temperature 0 'def fibonacci(n):'",
         "Ctrl-C stops every process.",
@@ -191,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
         stack.start(cfg.ready_timeout_s)
-        print(_banner(router), flush=True)
+        print(_banner(router, stack.procs), flush=True)
         if cfg.demo:
             from pdserve import client
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from pdserve.common.config import option
+from pdserve.common.config import METRICS_PORT_HELP, option
 from pdserve.common.worker_main import run_worker
 from pdserve.common.workerconfig import WorkerConfig
 
@@ -13,6 +13,7 @@ from pdserve.common.workerconfig import WorkerConfig
 @dataclass(frozen=True)
 class ColocatedConfig(WorkerConfig):
     port: int = option(50091, "gRPC port (serves pdserve.v1.Prefill and pdserve.v1.Decode)")
+    metrics_port: int = option(9091, METRICS_PORT_HELP)
     lease_ms: float = option(30_000.0, "how long reserved pages wait for their prefill (ms)")
 
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from pdserve.common.metrics import count_outcome
 from pdserve.common.server import FailedPrecondition, InvalidArgument, Unavailable
 from pdserve.decode.worker import DecodeEvent, DecodeWorker
 from pdserve.engine.sampling import SamplingParams
@@ -21,6 +22,8 @@ from pdserve.v1 import common_pb2
 
 
 class ColocatedWorker(DecodeWorker):
+    role = "colocated"
+
     def __init__(self, loop, *, worker_id: str, default_lease_ms: float = 30_000.0):
         super().__init__(loop, None, worker_id=worker_id, agent_address="local",
                          default_lease_ms=default_lease_ms)
@@ -30,6 +33,11 @@ class ColocatedWorker(DecodeWorker):
 
     def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
+        with count_outcome(self.metrics.prefills):
+            return self._prefill(request_id, token_ids, params, ticket, destination)
+
+    def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
         received = time.perf_counter()
         self._take_reservation(ticket)
         key = (request_id, self.epoch)
@@ -65,7 +73,7 @@ class ColocatedWorker(DecodeWorker):
             yield from self._stream(q, rid)
         finally:
             self.loop.unsubscribe(rid)
-            self.loop.submit(lambda e: e.abort(rid))
+            self._abort_sequence(rid)
 
     def cancel(self, request_id: str) -> None:
         self._forget(request_id)
@@ -79,7 +87,7 @@ class ColocatedWorker(DecodeWorker):
         with self._streams_lock:
             self._streams.pop(rid, None)
         self.loop.unsubscribe(rid)
-        return bool(self.loop.submit(lambda e: e.abort(rid)))
+        return self._abort_sequence(rid)
 
     def stats(self) -> dict:
         return {**super().stats(), "role": "colocated"}

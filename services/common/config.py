@@ -35,6 +35,7 @@ T = TypeVar("T")
 ENV_PREFIX = "PDSERVE"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+METRICS_PORT_HELP = "Prometheus /metrics HTTP port (0 = any free port, -1 = off)"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -141,16 +142,20 @@ def parse_config(cls: type[T], service: str, argv: Sequence[str] | None = None, 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Settings every gRPC service has; a service's config subclasses this (override `port`)."""
+    """Settings every gRPC service has; a service's config subclasses this (override `port`
+    and `metrics_port`)."""
 
     host: str = option("0.0.0.0", "address to listen on")
     port: int = option(0, "gRPC port (0 = any free port)")
+    metrics_port: int = option(-1, METRICS_PORT_HELP)
     grace_s: float = option(30.0, "on SIGTERM, how long in-flight work may take to finish (s)")
     log_format: str = option("text", "log line format", choices=LOG_FORMATS)
     log_level: str = option("INFO", "lowest level logged", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "0..65535")
+        require(-1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port,
+                "0..65535, or -1 (off)")
         require(bool(self.host), "host", self.host, "a host name or address")
         require(self.grace_s >= 0, "grace_s", self.grace_s, ">= 0")
         require(self.log_format in LOG_FORMATS, "log_format", self.log_format,

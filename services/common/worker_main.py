@@ -10,6 +10,7 @@ from typing import Any
 from pdserve.common.config import parse_config
 from pdserve.common.kvclient import AgentClient
 from pdserve.common.logs import setup_logging
+from pdserve.common.metrics import serve_metrics
 from pdserve.common.server import start
 from pdserve.common.workerconfig import WorkerConfig
 
@@ -53,6 +54,7 @@ def _run(role: str, cfg: WorkerConfig, make_worker: Callable[[Any, Any, AgentCli
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, agent, worker_id)
     ready = [False]
+    metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
         handle = start(role, cfg.port, register(worker), host=cfg.host, ready=lambda: ready[0],
                        grace_s=cfg.grace_s, on_drain=worker_drain(worker))
@@ -63,6 +65,8 @@ def _run(role: str, cfg: WorkerConfig, make_worker: Callable[[Any, Any, AgentCli
         log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
         return handle.wait()
     finally:
+        if metrics is not None:
+            metrics.close()
         worker.stop()
         loop.stop()
         engine.close()

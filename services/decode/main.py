@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from pdserve.common.config import option, require
+from pdserve.common.config import METRICS_PORT_HELP, option, require
 from pdserve.common.worker_main import run_worker
 from pdserve.common.workerconfig import WorkerConfig
 
@@ -13,6 +13,7 @@ from pdserve.common.workerconfig import WorkerConfig
 @dataclass(frozen=True)
 class DecodeConfig(WorkerConfig):
     port: int = option(50071, "gRPC port")
+    metrics_port: int = option(9071, METRICS_PORT_HELP)
     lease_ms: float = option(30_000.0, "how long reserved pages wait for their KV handoff (ms)")
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 from pdserve.common.kvclient import AgentClient, fingerprint_pb
+from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.server import (
     FailedPrecondition,
     InvalidArgument,
@@ -52,6 +53,8 @@ class DecodeEvent:
 
 
 class DecodeWorker:
+    role = "decode"
+
     def __init__(self, loop: EngineLoop, agent: AgentClient | None, *, worker_id: str, agent_address: str,
                  default_lease_ms: float = 30_000.0):
         self.loop = loop
@@ -69,6 +72,7 @@ class DecodeWorker:
         self._reservations: dict[str, Reservation] = {}
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="lease-reaper", daemon=True)
+        self.metrics = WorkerMetrics(self.role, self.stats)
 
     def register(self) -> None:
         if self.agent is not None:
@@ -142,6 +146,7 @@ class DecodeWorker:
             for rid in expired:
                 if self._drop_reservation(rid):
                     log.info("lease expired for %s: pages reclaimed", rid)
+                    self.metrics.lease_expiries.inc()
 
     # ---- decoding --------------------------------------------------------------------
     def decode(self, ticket: common_pb2.Ticket, prompt_ids: list[int], first_token: int,
@@ -166,11 +171,12 @@ class DecodeWorker:
         try:
             yield DecodeEvent([], reason or "", (time.perf_counter() - received) * 1e3)
             if reason:
+                self.metrics.finished.labels(reason).inc()
                 return
             yield from self._stream(q, rid)
         finally:
             self.loop.unsubscribe(rid)
-            self.loop.submit(lambda e: e.abort(rid))  # no-op when it finished
+            self._abort_sequence(rid)  # no-op when it finished
 
     def _stream(self, q: queue.SimpleQueue, rid: str) -> Iterator[DecodeEvent]:
         while True:
@@ -189,6 +195,7 @@ class DecodeWorker:
                 if out.token is not None:
                     tokens.append(out.token)
                 if out.finish_reason:
+                    self.metrics.finished.labels(out.finish_reason).inc()
                     yield DecodeEvent(tokens, out.finish_reason)
                     return
             yield DecodeEvent(tokens)
@@ -196,7 +203,14 @@ class DecodeWorker:
     def abort(self, ticket: common_pb2.Ticket) -> bool:
         if self._drop_reservation(ticket.request_id):
             return True
-        return bool(self.loop.submit(lambda e: e.abort(ticket.request_id)))
+        return self._abort_sequence(ticket.request_id)
+
+    def _abort_sequence(self, rid: str) -> bool:
+        """End a live sequence now (False when it already ended), counted as finished by abort."""
+        found = bool(self.loop.submit(lambda e: e.abort(rid)))
+        if found:
+            self.metrics.finished.labels("abort").inc()
+        return found
 
     def stats(self) -> dict:
         e = self.engine

@@ -147,7 +147,9 @@ class Engine:
 
     @property
     def queued_prompt_tokens(self) -> int:
-        return sum(s.num_tokens - s.num_cached for s in self.waiting)
+        # A copy (one C call, atomic): Stats and metrics read this from other threads while
+        # the loop thread changes the queue, and iterating a changing deque raises.
+        return sum(s.num_tokens - s.num_cached for s in self.waiting.copy())
 
     # ---- stepping --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

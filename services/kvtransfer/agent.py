@@ -21,12 +21,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from pdserve.common.logs import outcome
+from pdserve.common.metrics import AgentMetrics
 from pdserve.kvtransfer.errors import (
     BadRequest,
     PeerUnavailable,
     StaleEpoch,
     TransportMismatch,
     UnknownPool,
+    cause,
 )
 from pdserve.kvtransfer.peers import PeerDirectory
 from pdserve.kvtransfer.pool import Fingerprint, Pool
@@ -80,8 +82,10 @@ class Agent:
     """The host's KV transfer agent (thread-safe; see the module docstring)."""
 
     def __init__(self, agent_id: str, transport: Transport, *, default_timeout_s: float = 30.0,
-                 cancel_wait_s: float = 10.0, retention_s: float = 60.0):
+                 cancel_wait_s: float = 10.0, retention_s: float = 60.0,
+                 metrics: AgentMetrics | None = None):
         self.agent_id = agent_id
+        self.metrics = metrics or AgentMetrics()
         self.epoch = new_epoch()
         self.transport = transport
         self.default_timeout_s = default_timeout_s
@@ -164,6 +168,17 @@ class Agent:
     def send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],
                    dest: Destination, timeout_ms: float) -> TransferReport:
         """Copy the pages to the destination; returns once they are resident there."""
+        try:
+            report = self._send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
+        except Exception as exc:
+            self.metrics.failed(cause(exc), "send")
+            raise
+        self.metrics.sent(report.transport, report.kv_bytes, report.kv_pages,
+                          report.handoff_ms / 1e3)
+        return report
+
+    def _send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],
+                    dest: Destination, timeout_ms: float) -> TransferReport:
         started = time.perf_counter()
         if timeout_ms < 0:
             raise BadRequest(f"timeout_ms must be >= 0 (0 = default), got {timeout_ms:g}")
@@ -206,7 +221,7 @@ class Agent:
                 np.copyto(dst, src)
             ok = True
         finally:
-            self.finish(write, ok)
+            self._finish(write, ok, "local")
 
     def _send_remote(self, dest: Destination, header: WriteHeader, views: list[np.ndarray],
                      deadline: float) -> None:
@@ -249,6 +264,13 @@ class Agent:
     # ---- receiving (the transport's WriteSink) -----------------------------------------
     def accept(self, header: WriteHeader) -> IncomingWrite:
         """Check an incoming handoff against what `expect` registered; open the write."""
+        try:
+            return self._accept(header)
+        except Exception as exc:
+            self.metrics.failed(cause(exc), "receive")
+            raise
+
+    def _accept(self, header: WriteHeader) -> IncomingWrite:
         if header.dst_agent_epoch != self.epoch:
             raise StaleEpoch(f"agent {self.agent_id} is at epoch {self.epoch}, the handoff was "
                              f"addressed to epoch {header.dst_agent_epoch}: the agent restarted "
@@ -268,7 +290,19 @@ class Agent:
         return IncomingWrite(header, views, exp.abort, exp)
 
     def finish(self, write: IncomingWrite, ok: bool) -> None:
-        self.tickets.finish_write(write.handle, ok, write.header.kv_bytes)
+        self._finish(write, ok, self.transport.name)
+
+    def _finish(self, write: IncomingWrite, ok: bool, transport: str) -> None:
+        kv_bytes = write.header.kv_bytes
+        try:
+            self.tickets.finish_write(write.handle, ok, kv_bytes)
+        except Exception as exc:
+            self.metrics.failed(cause(exc), "receive")
+            raise
+        if ok:
+            self.metrics.received(transport, kv_bytes, sum(n for _, n in write.header.dst_runs))
+        else:
+            self.metrics.failed("incomplete", "receive")
 
     # ---- internals --------------------------------------------------------------------
     def _pool(self, pool_id: str) -> Pool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from pdserve.common.config import ServerConfig, option, require
+from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
 
 SERVICE = "kvtransfer"
 TRANSPORTS = ("ucx", "tcp")
@@ -16,6 +16,7 @@ class AgentConfig(ServerConfig):
     """pdserve kvtransfer: the per-host agent that moves KV pages between workers' pools."""
 
     port: int = option(50081, "gRPC port")
+    metrics_port: int = option(9081, METRICS_PORT_HELP)
     advertise_host: str = option("127.0.0.1", "host peers use to reach this agent's data port")
     transport: str = option("ucx", "data path between agents", choices=TRANSPORTS)
     data_port: int = option(0, "TCP data listener port, --transport tcp (0 = any free port)")

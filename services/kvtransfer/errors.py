@@ -89,3 +89,21 @@ def from_wire(kind: str, message: str) -> KvTransferError:
     """The error a peer reported as (`kind`, `message`); unknown kinds become the base class."""
     cls = _kinds().get(kind, KvTransferError)
     return PeerUnavailable(message) if cls is PeerUnavailable else cls(message)
+
+
+_CAUSES: tuple[tuple[type[KvTransferError], str], ...] = (  # subclasses before their bases
+    (StaleEpoch, "stale_epoch"), (TicketExpired, "expired"), (TicketCancelled, "cancelled"),
+    (TicketBusy, "busy"), (TransportMismatch, "transport_mismatch"), (Refused, "refused"),
+    (LayoutMismatch, "layout_mismatch"), (BadRequest, "bad_request"),
+    (UnknownPool, "unknown_pool"), (UnknownTicket, "unknown_ticket"), (NotFound, "not_found"),
+    (TransferTimeout, "timeout"), (PeerUnavailable, "unreachable"),
+)
+
+
+def cause(exc: BaseException) -> str:
+    """A failure's short name for metrics labels (`stale_epoch`, `timeout`, `unreachable`,
+    ...); `internal` for anything that is not a KvTransferError subclass listed here."""
+    for kind, name in _CAUSES:
+        if isinstance(exc, kind):
+            return name
+    return "internal"

@@ -12,6 +12,7 @@ import sys
 
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
+from pdserve.common.metrics import serve_metrics
 from pdserve.common.server import ServerStartError, start
 from pdserve.kvtransfer.agent import Agent
 from pdserve.kvtransfer.config import SERVICE, AgentConfig
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         agent.close()
         return 1
     servicer = KVTransferServicer(agent)
+    metrics = serve_metrics(agent.metrics.registry, cfg.metrics_port, cfg.host, service=SERVICE)
     try:
         handle = start(SERVICE, cfg.port,
                        lambda server: kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(
@@ -51,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
                        host=cfg.host, grace_s=cfg.grace_s, max_workers=64)
     except ServerStartError as exc:
         log.error("%s", exc)
+        if metrics is not None:
+            metrics.close()
         agent.close()
         return 1
     try:
         return handle.wait()
     finally:
+        if metrics is not None:
+            metrics.close()
         agent.close()
         log.info("agent %s stopped", agent.agent_id)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from pdserve.common.config import option, require
+from pdserve.common.config import METRICS_PORT_HELP, option, require
 from pdserve.common.worker_main import run_worker
 from pdserve.common.workerconfig import WorkerConfig
 
@@ -13,6 +13,7 @@ from pdserve.common.workerconfig import WorkerConfig
 @dataclass(frozen=True)
 class PrefillConfig(WorkerConfig):
     port: int = option(50061, "gRPC port")
+    metrics_port: int = option(9061, METRICS_PORT_HELP)
     transfer_timeout_s: float = option(30.0, "longest a KV handoff may take before it fails (s)")
 
     def __post_init__(self) -> None:

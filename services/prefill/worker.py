@@ -16,6 +16,7 @@ import time
 
 import grpc
 from pdserve.common.kvclient import AgentClient, fingerprint_pb
+from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.server import (
     Aborted,
     DeadlineExceeded,
@@ -41,6 +42,8 @@ class PrefillResult:
 
 
 class PrefillWorker:
+    role = "prefill"
+
     def __init__(self, loop: EngineLoop, agent: AgentClient, *, worker_id: str,
                  transfer_timeout_s: float = 30.0):
         self.loop = loop
@@ -54,6 +57,7 @@ class PrefillWorker:
         self._sends: dict[str, grpc.Future] = {}
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
+        self.metrics = WorkerMetrics(self.role, self.stats)
 
     def register(self) -> None:
         pool = self.engine.pool
@@ -63,6 +67,11 @@ class PrefillWorker:
 
     def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
+        with count_outcome(self.metrics.prefills):
+            return self._prefill(request_id, token_ids, params, ticket, destination)
+
+    def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
         if not self.admitting:
             raise Unavailable(f"prefill worker {self.worker_id} is draining")
         received = time.perf_counter()

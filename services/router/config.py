@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import ServerConfig, option, require
+from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
 
 SERVICE = "router"
 
@@ -19,6 +19,7 @@ class RouterConfig(ServerConfig):
     """pdserve router: the public Generate API in front of prefill and decode workers."""
 
     port: int = option(50051, "gRPC port")
+    metrics_port: int = option(9051, METRICS_PORT_HELP)
     prefill: tuple[str, ...] = option((), "prefill workers, comma-separated host:port")
     decode: tuple[str, ...] = option((), "decode workers, comma-separated host:port")
     model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "

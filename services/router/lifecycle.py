@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 from pdserve.common.logs import outcome
+from pdserve.common.metrics import RouterMetrics
 from pdserve.common.server import Aborted, ServiceError, Unavailable
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.detokenizer import OutputText
@@ -84,8 +85,10 @@ class Lifecycle:
 
     def __init__(self, pool: WorkerPool, tokenizer: Tokenizer, model_name: str, *,
                  max_retries: int = 1, prefill_timeout_s: float = 120.0,
-                 reserve_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 reserve_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 metrics: RouterMetrics | None = None):
         self.model_name = model_name
+        self.metrics = metrics or RouterMetrics()
         self._tokenizer = tokenizer
         self._clock = clock
         self._runner = HandoffRunner(pool, max_retries=max_retries, clock=clock,
@@ -103,6 +106,7 @@ class Lifecycle:
         ends quietly when the client cancelled."""
         received = self._clock() if received is None else received
         fields: dict[str, Any] = {"request_id": request.request_id or "-", "status": "OK"}
+        self.metrics.started()
         try:
             if self._draining:
                 raise Unavailable("the router is draining; send the request to another replica")
@@ -125,6 +129,9 @@ class Lifecycle:
             fields["e2e_ms"] = round((self._clock() - received) * 1000.0, 3)
             level = logging.INFO if fields["status"] in ("OK", "CANCELLED") else logging.WARNING
             outcome(log, "generate", level=level, **fields)
+            self.metrics.finished(fields["status"], fields["e2e_ms"] / 1e3,
+                                  fields.get("prompt_tokens", 0), fields.get("completion_tokens", 0),
+                                  fields.get("tpot_ms", 0.0))
 
     def _stream(self, gen: Generation, handoff: Handoff, scope: CallScope, received: float,
                 fields: dict[str, Any]) -> Iterator[router_pb2.GenerateResponse]:
@@ -165,7 +172,7 @@ class Lifecycle:
                         call.cancel()  # no-op once the stream has ended
                 self._settle(reservation, decode_finished, completion, scope)
             fields.update(finish_reason=completion.finish_reason,
-                          completion_tokens=completion.tokens,
+                          completion_tokens=completion.tokens, tpot_ms=round(clock.tpot_ms, 3),
                           decode_start_ms=round(timing.decode_start_ms, 3))
             yield router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
                 finish_reason=completion.finish_reason, prompt_tokens=len(gen.prompt_ids),
@@ -194,6 +201,9 @@ class Lifecycle:
         fields.update(ttft_ms=round(timing.ttft_ms, 3), queue_ms=round(timing.queue_ms, 3),
                       prefill_ms=round(timing.prefill_ms, 3),
                       kv_transfer_ms=round(timing.kv_transfer_ms, 3), kv_bytes=timing.kv_bytes)
+        self.metrics.first_token(timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms,
+                                 timing.ttft_ms, timing.kv_bytes, timing.kv_transport,
+                                 timing.attempts)
 
     def _decode(self, call: Any, first_delta: router_pb2.GenerateResponse, completion: Completion,
                 timing: router_pb2.Timing, clock: TokenClock, handoff: Handoff,
@@ -209,6 +219,7 @@ class Lifecycle:
             if first:
                 first = False
                 timing.decode_start_ms = message.decode_start_ms
+                self.metrics.decode_start.observe(message.decode_start_ms / 1e3)
                 yield first_delta
                 self._first_sent(clock, timing, fields)
                 yield router_pb2.GenerateResponse(request_id=rid, timing=timing)
@@ -220,7 +231,9 @@ class Lifecycle:
                 text += completion.end(message.finish_reason)
             if taken or text:
                 yield _delta(rid, text, taken)
-                clock.sent(len(taken), self._clock())
+                gap_s = clock.sent(len(taken), self._clock())
+                if gap_s is not None:
+                    self.metrics.itl.observe(gap_s)
             if completion.finish_reason:
                 return bool(message.finish_reason)
         raise Unavailable(f"decode {handoff.reservation.address}: stream ended without a finish "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
+from pdserve.common.metrics import serve_metrics
 from pdserve.common.server import ServerStartError, serve
 from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.lifecycle import Lifecycle
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                           prefill_timeout_s=cfg.prefill_timeout_s,
                           reserve_timeout_s=cfg.reserve_timeout_s)
     servicer = RouterServicer(lifecycle)
+    lifecycle.metrics.watch_pool(lambda: worker_counts(pool))
+    metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
+                            service=SERVICE)
     pool.start()
     try:
         return serve(SERVICE, cfg.port,
@@ -84,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         pool.close()
+        if metrics is not None:
+            metrics.close()
+
+
+def worker_counts(pool: WorkerPool) -> dict[str, tuple[int, int]]:
+    """{role: (healthy workers, workers)} for the metrics endpoint."""
+    return {role: (sum(w.healthy for w in loads), len(loads))
+            for role, loads in (("prefill", pool.prefill_loads()), ("decode", pool.decode_loads()))}
 
 
 if __name__ == "__main__":

@@ -36,10 +36,12 @@ class TokenClock:
     gap_sum_s: float = 0.0
     gap_max_s: float = 0.0
 
-    def sent(self, num_tokens: int, now: float) -> None:
-        """Record a delta carrying `num_tokens` tokens sent at `now`."""
+    def sent(self, num_tokens: int, now: float) -> float | None:
+        """Record a delta carrying `num_tokens` tokens sent at `now`; returns its gap to the
+        previous delta (an ITL sample, seconds), None for the first or an empty delta."""
         if num_tokens <= 0:
-            return
+            return None
+        gap: float | None = None
         if self.first_at is None:
             self.first_at = now
         elif self.last_at is not None:
@@ -49,6 +51,7 @@ class TokenClock:
             self.gap_max_s = max(self.gap_max_s, gap)
         self.last_at = now
         self.tokens += num_tokens
+        return gap
 
     @property
     def ttft_ms(self) -> float:

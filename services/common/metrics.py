@@ -1,0 +1,255 @@
+"""Prometheus metrics of every pdserve service: each name is defined here, all start `pdserve_`.
+
+Times are seconds (`_seconds`), sizes bytes (`_bytes`), counters end in `_total`. Each
+service's object (`RouterMetrics`, `WorkerMetrics`, `AgentMetrics`) owns its own
+`CollectorRegistry` (never the global one, so tests stay isolated) and `serve_metrics` exposes
+it as text on `http://<host>:<metrics_port>/metrics`.
+
+Per-token figures (ITL, TPOT) are histogram observations at the router, one per message or
+request. Gauges that mirror engine state (pages, sequences, queue depth) are read from the
+worker's `stats()` when scraped, so nothing is done per step or per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("pdserve.metrics")
+
+PREFIX = "pdserve_"
+DISABLED = -1  # metrics_port value that turns the endpoint off
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+FAST_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS)  # handoffs, ITL: often < 1 ms
+GBPS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+
+
+def outcome_of(code: str) -> str:
+    """A gRPC status code name -> the request outcome: ok, cancelled or error."""
+    return {"OK": "ok", "CANCELLED": "cancelled"}.get(code, "error")
+
+
+@contextlib.contextmanager
+def count_outcome(counter: Counter) -> Iterator[None]:
+    """Count the enclosed call once in `counter`, labelled by its status code name: OK, the
+    raised `ServiceError`'s code (any exception with a `code.name`), else INTERNAL."""
+    code = "OK"
+    try:
+        yield
+    except BaseException as exc:
+        code = getattr(getattr(exc, "code", None), "name", "INTERNAL")
+        raise
+    finally:
+        counter.labels(code).inc()
+
+
+class RouterMetrics:
+    """Per request at the router: the TTFT breakdown, ITL, TPOT, end to end, outcomes."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "Generate requests by outcome "
+                                "(ok, error, cancelled) and gRPC status code; once each",
+                                ("outcome", "code"), registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Generate requests being served",
+                               registry=r)
+        self.e2e = Histogram("pdserve_e2e_seconds", "request received -> stream ended",
+                             ("outcome",), buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pdserve_ttft_seconds", "request received -> first token sent",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pdserve_queue_seconds", "request received -> prefill compute "
+                               "started (TTFT component)", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pdserve_prefill_seconds", "prefill compute, first layer to "
+                                 "first token (TTFT component)", buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "KV ready on prefill -> "
+                                     "resident on decode (TTFT component)", ("transport",),
+                                     buckets=FAST_BUCKETS, registry=r)
+        self.decode_start = Histogram("pdserve_decode_start_seconds", "KV resident on decode "
+                                      "-> sequence live in its batch (TTFT component)",
+                                      buckets=FAST_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_itl_seconds", "gap between consecutive token messages "
+                             "sent to the client", buckets=FAST_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_tpot_seconds", "per request: (last token - first "
+                              "token) / (tokens - 1)", buckets=FAST_BUCKETS, registry=r)
+        self.kv_bytes = Counter("pdserve_kv_bytes", "KV bytes handed off for requests, by "
+                                "transport", ("transport",), registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of valid requests",
+                                     registry=r)
+        self.completion_tokens = Counter("pdserve_completion_tokens", "tokens streamed to "
+                                         "clients", registry=r)
+        self.retries = Counter("pdserve_retries", "extra attempts (other workers) before a "
+                               "request's first token", registry=r)
+
+    def started(self) -> None:
+        self.in_flight.inc()
+
+    def first_token(self, queue_ms: float, prefill_ms: float, kv_transfer_ms: float,
+                    ttft_ms: float, kv_bytes: int, transport: str, attempts: int) -> None:
+        """The first token went out: TTFT and its components (decode_start comes apart)."""
+        self.ttft.observe(ttft_ms / 1e3)
+        self.queue.observe(queue_ms / 1e3)
+        self.prefill.observe(prefill_ms / 1e3)
+        if transport:  # no handoff when the request ended at its first token
+            self.kv_transfer.labels(transport).observe(kv_transfer_ms / 1e3)
+            self.kv_bytes.labels(transport).inc(kv_bytes)
+        self.retries.inc(max(0, attempts - 1))
+
+    def finished(self, code: str, e2e_s: float, prompt_tokens: int, completion_tokens: int,
+                 tpot_ms: float) -> None:
+        """The request ended (once per request, whatever the outcome); `tpot_ms` 0 when it
+        had fewer than two tokens."""
+        outcome = outcome_of(code)
+        self.requests.labels(outcome, code).inc()
+        self.e2e.labels(outcome).observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        if tpot_ms > 0:
+            self.tpot.observe(tpot_ms / 1e3)
+        self.in_flight.dec()
+
+    def watch_pool(self, loads: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """Export `loads()` = {role: (healthy workers, workers)} at scrape time."""
+        self.registry.register(_WorkersCollector(loads))
+
+
+class WorkerMetrics:
+    """A prefill, decode or co-located worker: engine gauges read from `stats()` at scrape
+    time, plus counters the worker bumps at request boundaries."""
+
+    def __init__(self, role: str, stats: Callable[[], Mapping[str, Any]],
+                 registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.prefills = Counter("pdserve_prefill_requests", "Prefill calls by gRPC status code",
+                                ("code",), registry=r)
+        self.finished = Counter("pdserve_sequences_finished", "decode sequences ended, by "
+                                "reason (stop, length, abort)", ("reason",), registry=r)
+        self.lease_expiries = Counter("pdserve_lease_expiries", "reservations reclaimed because "
+                                      "their KV handoff never came", registry=r)
+        r.register(_StatsCollector(role, stats))
+
+
+class AgentMetrics:
+    """A kvtransfer agent: bytes moved per transport and direction, handoff time and
+    throughput (sender side), failures by cause."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved by this "
+                                      "agent", ("transport", "direction"), registry=r)
+        self.transfer_pages = Counter("pdserve_kv_transfer_pages", "KV pages moved by this "
+                                      "agent", ("transport", "direction"), registry=r)
+        self.handoff = Histogram("pdserve_kv_handoff_seconds", "SendPages: request -> every "
+                                 "page resident at the destination", ("transport",),
+                                 buckets=FAST_BUCKETS, registry=r)
+        self.throughput = Histogram("pdserve_kv_transfer_gb_per_second", "per handoff: bytes "
+                                    "/ handoff time, in 1e9 bytes/s", ("transport",),
+                                    buckets=GBPS_BUCKETS, registry=r)
+        self.failures = Counter("pdserve_kv_transfer_failures", "handoffs that failed, by cause "
+                                "and direction", ("cause", "direction"), registry=r)
+
+    def sent(self, transport: str, kv_bytes: int, kv_pages: int, handoff_s: float) -> None:
+        self.transfer_bytes.labels(transport, "send").inc(kv_bytes)
+        self.transfer_pages.labels(transport, "send").inc(kv_pages)
+        self.handoff.labels(transport).observe(handoff_s)
+        if handoff_s > 0:
+            self.throughput.labels(transport).observe(kv_bytes / handoff_s / 1e9)
+
+    def received(self, transport: str, kv_bytes: int, kv_pages: int) -> None:
+        self.transfer_bytes.labels(transport, "receive").inc(kv_bytes)
+        self.transfer_pages.labels(transport, "receive").inc(kv_pages)
+
+    def failed(self, cause: str, direction: str) -> None:
+        self.failures.labels(cause, direction).inc()
+
+
+# ---- scrape-time gauges ----------------------------------------------------------------
+
+_STATS_GAUGES = (  # (metric, stats() key, help)
+    ("pdserve_kv_pages_capacity", "num_pages", "KV pages in the worker's pool"),
+    ("pdserve_kv_pages_free", "free_pages", "KV pages on the free list"),
+    ("pdserve_running_sequences", "running_sequences", "sequences in the running batch"),
+    ("pdserve_waiting_sequences", "waiting_sequences", "queue depth: sequences waiting to run"),
+    ("pdserve_queued_prompt_tokens", "queued_prompt_tokens", "prompt tokens still to prefill"),
+    ("pdserve_reserved_tickets", "reserved_tickets", "reservations waiting for their handoff"),
+)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, role: str, stats: Callable[[], Mapping[str, Any]]):
+        self._role = role
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, key, help_text in _STATS_GAUGES:
+            if key in stats:
+                yield _gauge(name, help_text, {"role": self._role}, stats[key])
+        yield _gauge("pdserve_kv_pages_used", "KV pages held by sequences or reservations",
+                     {"role": self._role}, stats["num_pages"] - stats["free_pages"])
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, loads: Callable[[], Mapping[str, tuple[int, int]]]):
+        self._loads = loads
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily("pdserve_workers_healthy", "workers passing health checks",
+                                    labels=("role",))
+        known = GaugeMetricFamily("pdserve_workers", "workers configured", labels=("role",))
+        for role, (num_healthy, num_known) in self._loads().items():
+            healthy.add_metric((role,), num_healthy)
+            known.add_metric((role,), num_known)
+        yield healthy
+        yield known
+
+
+def _gauge(name: str, help_text: str, labels: Mapping[str, str], value: float) -> Metric:
+    family = GaugeMetricFamily(name, help_text, labels=tuple(labels))
+    family.add_metric(tuple(labels.values()), value)
+    return family
+
+
+# ---- the HTTP endpoint ------------------------------------------------------------------
+
+@dataclass
+class MetricsServer:
+    """A running /metrics endpoint: its bound port, and how to stop it."""
+
+    port: int
+    _httpd: Any
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0", *,
+                  service: str = "") -> MetricsServer | None:
+    """Serve `registry` as Prometheus text on http://host:port/metrics (port 0: any free port).
+
+    Returns None when `port` is -1 (off) or cannot be bound: metrics are never a reason to
+    refuse serving requests, so a busy port is logged as a warning naming the flag.
+    """
+    if port == DISABLED:
+        log.info("%s metrics: off", service or "process")
+        return None
+    try:
+        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        log.warning("%s metrics: cannot listen on %s:%d (%s); serving without /metrics "
+                    "(choose another with --metrics-port, -1 turns it off)", service or "process",
+                    host, port, exc)
+        return None
+    bound = httpd.server_port
+    log.info("%s metrics on http://%s:%d/metrics", service or "process", host, bound)
+    return MetricsServer(bound, httpd)
