@@ -4,12 +4,14 @@ Default layout: two simulated hosts, each with its own kvtransfer agent: host A 
 prefill workers, host B the decode workers, so every handoff crosses a real UCX (or TCP)
 connection between two agents. `--colocated` instead runs one engine doing both phases behind
 the same router API, for comparison. Ctrl-C (or SIGTERM) stops every process.
+`--otlp-endpoint HOST:PORT` sends every process's traces to an OpenTelemetry collector or Jaeger.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -24,6 +26,7 @@ from pdserve.common.config import option, parse_config, require
 from pdserve.common.health import wait_serving
 
 DEMO_PROMPT = "def fibonacci(n):"
+OTLP_ENDPOINT = re.compile(r"(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?")
 PR_SET_PDEATHSIG = 1
 
 
@@ -47,6 +50,11 @@ class UpConfig:
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
     log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
     ready_timeout_s: float = option(300.0, "how long the stack may take to come up (s)")
+    otlp_endpoint: str = option("", "send every process's traces over OTLP/gRPC to this "
+                                    "collector or Jaeger, HOST:PORT (default: "
+                                    "OTEL_EXPORTER_OTLP_ENDPOINT when set; none: tracing off)")
+    trace_sample_ratio: float | None = option(None, "fraction of requests traced (default: "
+                                                    "OTEL_TRACES_SAMPLER_ARG when set, else 1)")
 
     def __post_init__(self) -> None:
         require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
@@ -54,6 +62,20 @@ class UpConfig:
         require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
         require(-1 <= self.metrics_port <= 65535 - 50, "metrics_port", self.metrics_port,
                 "0..65485, or -1 (off)")
+        require(not self.otlp_endpoint or bool(OTLP_ENDPOINT.fullmatch(self.otlp_endpoint)),
+                "otlp_endpoint", self.otlp_endpoint, "HOST:PORT or http(s)://HOST:PORT")
+        require(self.trace_sample_ratio is None or 0.0 <= self.trace_sample_ratio <= 1.0,
+                "trace_sample_ratio", self.trace_sample_ratio, "a fraction in [0, 1]")
+
+    def trace_env(self) -> dict[str, str]:
+        """The OTEL_* variables every process gets on top of this one's environment."""
+        env: dict[str, str] = {}
+        if self.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = (
+                self.otlp_endpoint if "://" in self.otlp_endpoint else f"http://{self.otlp_endpoint}")
+        if self.trace_sample_ratio is not None:
+            env["OTEL_TRACES_SAMPLER_ARG"] = str(self.trace_sample_ratio)
+        return env
 
     def metrics_port_of(self, offset: int) -> int:
         """A process's metrics port: base + offset (0 and -1 stay as they are)."""
@@ -121,16 +143,18 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
 
 
 class Stack:
-    def __init__(self, procs: list[Proc], log_dir: Path):
+    def __init__(self, procs: list[Proc], log_dir: Path, env: dict[str, str] | None = None):
         self.procs = procs
         self.log_dir = log_dir
+        self.env = {**os.environ, **(env or {})}  # every process's environment
 
     def start(self, timeout_s: float) -> None:
         for p in self.procs:
             p.log = self.log_dir / f"{p.name}.log"
             with open(p.log, "wb") as out:
                 p.popen = subprocess.Popen(p.argv, stdout=out, stderr=subprocess.STDOUT,
-                                           start_new_session=True, preexec_fn=_die_with_parent)
+                                           env=self.env, start_new_session=True,
+                                           preexec_fn=_die_with_parent)
         for p in self.procs:  # all start at once; wait in dependency order
             print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
             try:
@@ -216,12 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         model_name = model_dir.name
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(plan(cfg, model_dir, model_name), log_dir)
+    stack = Stack(plan(cfg, model_dir, model_name), log_dir, cfg.trace_env())
     router = stack.procs[-1].address
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
         print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
+        if stack.env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            print(f"traces: OTLP to {stack.env['OTEL_EXPORTER_OTLP_ENDPOINT']} from every process",
+                  flush=True)
         stack.start(cfg.ready_timeout_s)
         print(_banner(router, stack.procs), flush=True)
         if cfg.demo:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import grpc
+from pdserve.common import tracing
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 
@@ -55,10 +56,12 @@ class AgentClient:
 
     def send_async(self, ticket: common_pb2.Ticket, src_pool_id: str, src_page_ids: list[int],
                    destination: common_pb2.KVDestination, timeout_s: float) -> grpc.Future:
-        """Start shipping pages; the future (cancellable) gives a SendPagesResponse."""
+        """Start shipping pages; the future (cancellable) gives a SendPagesResponse. The
+        agent's kv.send span continues the current trace."""
         return self.stub.SendPages.future(kvtransfer_pb2.SendPagesRequest(
             ticket=ticket, src_pool_id=src_pool_id, src_page_ids=src_page_ids,
-            destination=destination, timeout_ms=timeout_s * 1e3), timeout=timeout_s + 1.0)
+            destination=destination, timeout_ms=timeout_s * 1e3), timeout=timeout_s + 1.0,
+            metadata=tracing.outgoing_metadata())
 
     def close(self) -> None:
         self._channel.close()

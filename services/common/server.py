@@ -13,6 +13,8 @@ health turns NOT_SERVING for good, `on_drain()` runs (stop admitting new work), 
 get up to `grace_s` to finish, then the server stops and `wait()` returns 0.
 
 Errors: handlers raise `ServiceError` subclasses; one interceptor turns them into status codes.
+The same interceptor runs each handler with its caller's trace (W3C `traceparent` metadata) as
+the current tracing context when tracing is on (pdserve.common.tracing).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pdserve.common import tracing
 
 log = logging.getLogger("pdserve.server")
 
@@ -120,7 +123,8 @@ def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Interceptor(grpc.ServerInterceptor):
-    """Maps errors for pdserve handlers and counts their in-flight calls (for draining)."""
+    """Maps errors for pdserve handlers, counts their in-flight calls (for draining) and runs
+    them in their caller's trace."""
 
     def __init__(self) -> None:
         self._idle = threading.Condition()
@@ -144,7 +148,7 @@ class _Interceptor(grpc.ServerInterceptor):
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             self._enter()
             try:
-                return fn(request, context)
+                return tracing.traced_call(context, fn, request, context)
             finally:
                 self._exit()
         return call
@@ -155,7 +159,7 @@ class _Interceptor(grpc.ServerInterceptor):
         def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             self._enter()
             try:
-                yield from fn(request, context)
+                yield from tracing.traced_stream(context, fn(request, context))
             finally:
                 self._exit()
         return call

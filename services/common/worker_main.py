@@ -12,6 +12,7 @@ from pdserve.common.kvclient import AgentClient
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
 from pdserve.common.server import start
+from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.common.workerconfig import WorkerConfig
 
 log = logging.getLogger("pdserve.worker")
@@ -24,6 +25,7 @@ def run_worker(role: str, config_cls: type[WorkerConfig], argv: list[str] | None
 
     cfg = parse_config(config_cls, role, argv, prog=f"pdserve {role}", description=description)
     setup_logging(cfg.log_format, cfg.log_level, service=role)
+    setup_tracing(f"pdserve-{role}", instance_id=worker_name(role, cfg))
     # Until the server's own drain handler takes over, a stop request unwinds through the
     # `finally` below, so the pool's shared memory is released even during start-up.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -32,6 +34,13 @@ def run_worker(role: str, config_cls: type[WorkerConfig], argv: list[str] | None
     except KeyboardInterrupt:
         log.info("%s: stopped during start-up", role)
         return 0
+    finally:
+        shutdown_tracing()
+
+
+def worker_name(role: str, cfg: WorkerConfig) -> str:
+    """The worker's id: `--worker-id`, else role@host:port."""
+    return cfg.worker_id or f"{role}@{cfg.advertise_host}:{cfg.port}"
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -43,7 +52,7 @@ def _run(role: str, cfg: WorkerConfig, make_worker: Callable[[Any, Any, AgentCli
     from pdserve.engine.loop import EngineLoop
     from pdserve.engine.setup import build_engine
 
-    worker_id = cfg.worker_id or f"{role}@{cfg.advertise_host}:{cfg.port}"
+    worker_id = worker_name(role, cfg)
     engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
                                      block_size=cfg.block_size, num_pages=cfg.num_pages,
                                      kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+from pdserve.common import tracing
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import AgentMetrics
 from pdserve.kvtransfer.errors import (
@@ -34,6 +35,7 @@ from pdserve.kvtransfer.peers import PeerDirectory
 from pdserve.kvtransfer.pool import Fingerprint, Pool
 from pdserve.kvtransfer.runs import check_page_ids, coalesce, expand
 from pdserve.kvtransfer.tickets import Status, TicketBook, TicketKey
+from pdserve.kvtransfer.traced import traced_sink
 from pdserve.kvtransfer.transport import IncomingWrite, PeerContact, Transport
 from pdserve.kvtransfer.wire import MAX_RUNS, WriteHeader
 
@@ -101,7 +103,7 @@ class Agent:
 
     def start(self) -> None:
         """Start the transport's receiving side and the lease sweeper."""
-        contact = self.transport.start(self)
+        contact = self.transport.start(traced_sink(self, self.agent_id, self.transport.name))
         self._contact = replace(contact, agent_id=self.agent_id)
         self._janitor.start()
         log.info("agent %s up: epoch %d, transport %s", self.agent_id, self.epoch,
@@ -198,7 +200,8 @@ class Agent:
         header = WriteHeader(
             xfer_id=secrets.randbits(36), ticket=key, dst_agent_epoch=dest.agent_epoch,
             dst_pool_id=dest.pool_id, fingerprint=pool.fingerprint, page_bytes=pool.page_bytes,
-            dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3)
+            dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3,
+            traceparent=tracing.traceparent())
         views = [pool.pages(r.src_start, r.num_pages) for r in runs]
         if dest.agent_epoch == self.epoch:
             self._copy_local(header, views)

@@ -14,6 +14,7 @@ from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
 from pdserve.common.server import ServerStartError, start
+from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.kvtransfer.agent import Agent
 from pdserve.kvtransfer.config import SERVICE, AgentConfig
 from pdserve.kvtransfer.servicer import KVTransferServicer
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the agent until SIGTERM/SIGINT; returns the exit status."""
     cfg = parse_config(AgentConfig, SERVICE, argv, prog="pdserve kvtransfer")
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
+    setup_tracing("pdserve-kvtransfer", instance_id=cfg.name)
     agent = Agent(cfg.name, make_transport(cfg), default_timeout_s=cfg.default_timeout_s,
                   cancel_wait_s=cfg.cancel_wait_s)
     try:
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if metrics is not None:
             metrics.close()
         agent.close()
+        shutdown_tracing()
         log.info("agent %s stopped", agent.agent_id)
 
 

@@ -4,6 +4,9 @@ Domain errors become status codes in one place (`_status`): BadRequest (and Layo
 -> INVALID_ARGUMENT, NotFound -> NOT_FOUND, Refused (expired, cancelled, stale epoch, busy)
 -> FAILED_PRECONDITION, TransferTimeout -> DEADLINE_EXCEEDED, PeerUnavailable -> UNAVAILABLE.
 The shared server's interceptor turns the raised `ServiceError` into the call's status.
+
+SendPages is traced as kv.send (a child of the prefill worker's span; the receiving agent's
+kv.receive is its child, through the write header) with the transfer report as attributes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 from pdserve.common import server as svc
+from pdserve.common import tracing
 from pdserve.kvtransfer import errors
 from pdserve.kvtransfer.agent import Agent, Destination
 from pdserve.kvtransfer.pool import Fingerprint
@@ -106,9 +110,21 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
                                                      kv_bytes=status.kv_bytes,
                                                      completed_unix_ms=status.completed_unix_ms)
 
-    @_status
     def SendPages(self, request: kvtransfer_pb2.SendPagesRequest,
                   context: grpc.ServicerContext) -> kvtransfer_pb2.SendPagesResponse:
+        with tracing.span("kv.send", kind=tracing.SERVER, request_id=request.ticket.request_id,
+                          agent_id=self.agent.agent_id, dst_agent=request.destination.agent_address,
+                          kv_pages=len(request.src_page_ids)) as span:
+            reply = self._send_pages(request, context)
+            r = reply.report
+            span.set_attributes({"kv_bytes": r.kv_bytes, "kv_pages": r.kv_pages,
+                                 "kv_transport": r.transport, "num_runs": r.num_runs,
+                                 "handoff_ms": r.handoff_ms, "kv_transfer_ms": r.handoff_ms})
+            return reply
+
+    @_status
+    def _send_pages(self, request: kvtransfer_pb2.SendPagesRequest,
+                    context: grpc.ServicerContext) -> kvtransfer_pb2.SendPagesResponse:
         d = request.destination
         dest = Destination(d.agent_address, d.agent_epoch, d.pool_id, tuple(d.page_ids),
                            fingerprint(d.fingerprint) if d.HasField("fingerprint") else None)

@@ -51,6 +51,7 @@ class IncomingWrite:
     dst_views: list[np.ndarray]
     abort: threading.Event
     handle: Any = None  # the sink's own record of the write
+    span: Any = None  # the write's trace span (pdserve.kvtransfer.traced), None when untraced
 
 
 class WriteSink(Protocol):

@@ -9,7 +9,9 @@ One handoff on the wire (both transports):
                  <-------------------------  Reply(stage="done") once every byte is resident
 
 The header is a small fixed prefix, a JSON object and the destination runs as int32 pairs;
-KV bytes never travel inside it. Nothing here does I/O.
+KV bytes never travel inside it. Nothing here does I/O. The JSON may carry the sender's W3C
+`traceparent` (the receiver's kv.receive span continues the trace); a header without it, or a
+receiver that does not know the key, works as before.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class WriteHeader:
     dst_runs: tuple[tuple[int, int], ...]  # (first destination page, number of pages), in send order
     timeout_ms: float  # how long the sender will wait; the receiver waits no longer
     reply_to: bytes = b""  # transport-specific return address (the sender's UCX worker address)
+    traceparent: str = ""  # the sender's trace context (W3C), "" when not traced
 
     @property
     def kv_bytes(self) -> int:
@@ -60,6 +63,7 @@ class WriteHeader:
             "dst_pool_id": self.dst_pool_id, "fingerprint": dataclasses.asdict(self.fingerprint),
             "page_bytes": self.page_bytes, "timeout_ms": self.timeout_ms,
             "reply_to": base64.b64encode(self.reply_to).decode(),
+            **({"traceparent": self.traceparent} if self.traceparent else {}),
         }).encode()
         runs = np.asarray(self.dst_runs, dtype="<i4").reshape(-1)
         return _PREFIX.pack(MAGIC, VERSION, len(body), len(self.dst_runs)) + body + runs.tobytes()
@@ -93,7 +97,8 @@ class WriteHeader:
                 fingerprint=Fingerprint(**body["fingerprint"]), page_bytes=int(body["page_bytes"]),
                 dst_runs=tuple((int(a), int(b)) for a, b in runs.reshape(-1, 2)),
                 timeout_ms=float(body["timeout_ms"]),
-                reply_to=base64.b64decode(body["reply_to"]))
+                reply_to=base64.b64decode(body["reply_to"]),
+                traceparent=str(body.get("traceparent", "")))  # checked where it is used
         except BadRequest:
             raise
         except (struct.error, ValueError, KeyError, TypeError) as exc:

@@ -15,11 +15,15 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import grpc
+
 log = logging.getLogger("pdserve.router")
 
 
 class ClientCancelled(Exception):
     """The client went away; stop the request's work and send nothing more."""
+
+    code = grpc.StatusCode.CANCELLED  # what a trace span records
 
 
 class CallScope:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from pdserve.common import tracing
 from pdserve.common.server import ResourceExhausted, ServiceError, Unavailable
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.placement import rank_decode, rank_prefill
@@ -101,10 +102,12 @@ def attempt_id(request_id: str, attempt: int) -> str:
 class _Retry(Exception):
     """One attempt failed in a way another attempt may not."""
 
-    def __init__(self, message: str, prefill: str | None = None, decode: str | None = None):
+    def __init__(self, message: str, prefill: str | None = None, decode: str | None = None,
+                 code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         super().__init__(message)
         self.prefill = prefill
         self.decode = decode
+        self.code = code  # the status the attempt's span records
 
 
 class HandoffRunner:
@@ -192,24 +195,32 @@ class HandoffRunner:
 
     def _call(self, scope: CallScope, method: grpc.UnaryUnaryMultiCallable, request: object,
               timeout_s: float, role: str, address: str, *, decode: str | None) -> object:
-        """One unary call that client cancellation interrupts; errors sorted by what to do."""
-        scope.check()
-        future = method.future(request, timeout=timeout_s)
-        with scope.guard(future.cancel):
-            try:
-                return future.result()
-            except grpc.FutureCancelledError:
-                raise ClientCancelled() from None
-            except grpc.RpcError as exc:
-                if scope.cancelled:
+        """One unary call that client cancellation interrupts; errors sorted by what to do.
+
+        Traced as a client span (router.reserve on decode, router.prefill) whose context the
+        call carries, so the worker's span is its child."""
+        with tracing.span("router.reserve" if role == "decode" else "router.prefill",
+                          kind=tracing.CLIENT, worker=address,
+                          request_id=getattr(request, "request_id", "")):
+            scope.check()
+            future = method.future(request, timeout=timeout_s,
+                                   metadata=tracing.outgoing_metadata())
+            with scope.guard(future.cancel):
+                try:
+                    return future.result()
+                except grpc.FutureCancelledError:
                     raise ClientCancelled() from None
-                code, details = exc.code(), exc.details()
-        where = f"{role} {address}"
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self._pool.suspect(address)  # re-check its health now, not at the next round
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            raise ResourceExhausted(f"{where}: {details}")
-        if code in RETRYABLE:
-            raise _Retry(f"{where}: {code.name} {details}",
-                         prefill=address if role == "prefill" else None, decode=decode)
-        raise ServiceError(f"{where}: {details}", code=code)
+                except grpc.RpcError as exc:
+                    if scope.cancelled:
+                        raise ClientCancelled() from None
+                    code, details = exc.code(), exc.details()
+            where = f"{role} {address}"
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._pool.suspect(address)  # re-check its health now, not at the next round
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ResourceExhausted(f"{where}: {details}")
+            if code in RETRYABLE:
+                raise _Retry(f"{where}: {code.name} {details}",
+                             prefill=address if role == "prefill" else None, decode=decode,
+                             code=code)
+            raise ServiceError(f"{where}: {details}", code=code)

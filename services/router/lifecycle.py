@@ -16,7 +16,12 @@ a possible stop string) but it always carries the token id, so TTFT is the first
 After the first delta, a failure ends the stream with an error status (no retry: output is
 never repeated). Client cancellation cancels the in-flight Prefill or Decode call and aborts
 the ticket on D. A stop string (or EOS / max_tokens seen first by the router) aborts the
-ticket at once so D frees its pages. One log line per request outcome.
+ticket at once so D frees its pages. One log line per request outcome (with its trace_id when
+traced).
+
+Tracing: one server span router.generate per request (continuing the client's traceparent),
+with router.admission, router.reserve / router.prefill per attempt (handoff.py) and
+router.decode_stream as children; the outcome's fields become its attributes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from pdserve.common import tracing
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
 from pdserve.common.server import Aborted, ServiceError, Unavailable
@@ -105,28 +111,38 @@ class Lifecycle:
         """The response stream of one request. Raises `ServiceError` for a failed request;
         ends quietly when the client cancelled."""
         received = self._clock() if received is None else received
-        fields: dict[str, Any] = {"request_id": request.request_id or "-", "status": "OK"}
+        span = tracing.start_span("router.generate", kind=tracing.SERVER, model=self.model_name)
+        fields: dict[str, Any] = {"request_id": request.request_id or "-", "status": "OK",
+                                  **tracing.log_fields(span)}
         self.metrics.started()
         try:
-            if self._draining:
-                raise Unavailable("the router is draining; send the request to another replica")
-            gen = validate(request, self._tokenizer, self.model_name)
-            fields.update(request_id=gen.request_id, prompt_tokens=len(gen.prompt_ids))
-            handoff = self._runner.run(gen, scope)
+            with tracing.current(span):  # no yield inside: children of router.generate
+                with tracing.span("router.admission"):
+                    if self._draining:
+                        raise Unavailable("the router is draining; send the request to another "
+                                          "replica")
+                    gen = validate(request, self._tokenizer, self.model_name)
+                fields.update(request_id=gen.request_id, prompt_tokens=len(gen.prompt_ids))
+                handoff = self._runner.run(gen, scope)
             with scope.guard(handoff.reservation.release_nowait):
-                yield from self._stream(gen, handoff, scope, received, fields)
+                yield from self._stream(gen, handoff, scope, received, fields, span)
         except (ClientCancelled, GeneratorExit) as exc:
             fields["status"] = "CANCELLED"
+            tracing.record_error(span, exc)
             if isinstance(exc, GeneratorExit):
                 raise
         except ServiceError as exc:
             fields.update(status=exc.code.name, error=exc.message)
+            tracing.record_error(span, exc)
             raise
         except Exception as exc:
             fields.update(status="INTERNAL", error=repr(exc))
+            tracing.record_error(span, exc)
             raise
         finally:
             fields["e2e_ms"] = round((self._clock() - received) * 1000.0, 3)
+            span.set_attributes(fields)
+            span.end()
             level = logging.INFO if fields["status"] in ("OK", "CANCELLED") else logging.WARNING
             outcome(log, "generate", level=level, **fields)
             self.metrics.finished(fields["status"], fields["e2e_ms"] / 1e3,
@@ -134,7 +150,8 @@ class Lifecycle:
                                   fields.get("tpot_ms", 0.0))
 
     def _stream(self, gen: Generation, handoff: Handoff, scope: CallScope, received: float,
-                fields: dict[str, Any]) -> Iterator[router_pb2.GenerateResponse]:
+                fields: dict[str, Any], span: tracing.Span
+                ) -> Iterator[router_pb2.GenerateResponse]:
         rid = gen.request_id
         reservation = handoff.reservation
         clock = TokenClock(received)
@@ -142,6 +159,7 @@ class Lifecycle:
         timing = _timing(handoff, received)
         fields.update(prefill=timing.prefill_worker, decode=timing.decode_worker,
                       attempts=timing.attempts)
+        span.set_attributes({"kv_pages": timing.kv_pages, "kv_transport": timing.kv_transport})
         decode_finished = False
         try:
             first = handoff.prefill.first_token
@@ -154,10 +172,13 @@ class Lifecycle:
                 yield router_pb2.GenerateResponse(request_id=rid, timing=timing)
             else:
                 scope.check()
+                call_span = tracing.start_span("router.decode_stream", kind=tracing.CLIENT,
+                                               parent=span, worker=reservation.address,
+                                               request_id=reservation.ticket.request_id)
                 call = reservation.stub.Decode(decode_pb2.DecodeRequest(
                     ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first,
-                    sampling=gen.sampling.to_proto()))
-                with scope.guard(call.cancel):
+                    sampling=gen.sampling.to_proto()), metadata=tracing.outgoing_metadata(call_span))
+                with scope.guard(call.cancel), tracing.ending(call_span):
                     try:
                         decode_finished = yield from self._decode(
                             call, first_delta, completion, timing, clock, handoff, fields)
@@ -170,6 +191,10 @@ class Lifecycle:
                             code=exc.code()) from None
                     finally:
                         call.cancel()  # no-op once the stream has ended
+                        call_span.set_attributes({
+                            "decode_start_ms": timing.decode_start_ms,
+                            "completion_tokens": completion.tokens,
+                            "finish_reason": completion.finish_reason})
                 self._settle(reservation, decode_finished, completion, scope)
             fields.update(finish_reason=completion.finish_reason,
                           completion_tokens=completion.tokens, tpot_ms=round(clock.tpot_ms, 3),

@@ -16,6 +16,7 @@ from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
 from pdserve.common.server import ServerStartError, serve
+from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.pool import WorkerPool
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot load the tokenizer: %s", exc)
         return 1
     model_name = cfg.model_name or default_name
+    setup_tracing("pdserve-router")
     log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, model_dir,
              tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
     pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s)
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         pool.close()
+        shutdown_tracing()
         if metrics is not None:
             metrics.close()
 
