@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -48,10 +49,23 @@ def hosts():
         for ns, dev, host in ((a, dev_a, 1), (b, dev_b, 2)):
             _ip("-n", ns, "addr", "add", f"{SUBNET.format(net, host)}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
+        for ns, dev in ((a, dev_a), (b, dev_b)):  # the link comes up asynchronously
+            assert _wait_operstate_up(ns, dev), f"{dev} in {ns} did not come up"
         yield {"A": (a, dev_a, SUBNET.format(net, 1)), "B": (b, dev_b, SUBNET.format(net, 2))}
     finally:
         for ns in created:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(_in(ns, "cat", f"/sys/class/net/{dev}/operstate"),
+                             capture_output=True, text=True, timeout=30)
+        if out.stdout.strip() == "up":
+            return True
+        time.sleep(0.05)  # bounded poll of the interface state
+    return False
 
 
 def _in(ns: str, *argv: str) -> list[str]:
@@ -70,7 +84,7 @@ DRIVER = textwrap.dedent("""
     from pdserve.common.health import wait_serving
     from pdserve.v1 import router_pb2, router_pb2_grpc
     router, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    wait_serving(router, 180)
+    wait_serving(router, 120)
     with grpc.insecure_channel(router) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         for p in prompts:
