@@ -105,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.engine import builtin
     from transformers import AutoModelForCausalLM
 
-    model_dir = builtin.ensure(args.model, progress=lambda m: print(m, file=sys.stderr)) \
-        if args.model in builtin.SIZES else Path(args.model)
+    size = args.model if args.model in builtin.SIZES else None
+    model_dir = builtin.ensure(size, progress=lambda m: print(m, file=sys.stderr)) if size \
+        else Path(args.model)
     dtype = resolve_dtype(args.dtype, "cpu")
     torch.manual_seed(0)
-    model = load_model(model_dir, dtype=dtype)
+    model = load_model(model_dir, dtype=dtype, model_id=builtin.model_name(size) if size else None)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype).eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"model {model.model_id} ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params), "

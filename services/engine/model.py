@@ -78,20 +78,16 @@ class Batch:
     @classmethod
     def build(cls, new_tokens: list[list[int]], start_positions: list[int],
               page_tables: list[list[int]], device: torch.device) -> Batch:
-        S = len(new_tokens)
         T = max(len(t) for t in new_tokens)
         max_pages = max(len(p) for p in page_tables)
-        ids = torch.zeros(S, T, dtype=torch.long)
-        pos = torch.zeros(S, T, dtype=torch.long)
-        tables = torch.zeros(S, max_pages, dtype=torch.long)
-        for i, (toks, start, pages) in enumerate(zip(new_tokens, start_positions, page_tables)):
-            n = len(toks)
-            ids[i, :n] = torch.tensor(toks)
-            pos[i, :] = torch.arange(start, start + T)
-            tables[i, : len(pages)] = torch.tensor(pages)
+        # Pad in Python, convert once: a tensor per row costs more than the decode step itself
+        # on small models.
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens])
+        tables = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables])
+        starts = torch.tensor(start_positions)
         qlens = torch.tensor([len(t) for t in new_tokens])
-        clens = torch.tensor([s + len(t) for s, t in zip(start_positions, new_tokens)])
-        return cls(ids.to(device), pos.to(device), qlens.to(device), clens.to(device),
+        pos = starts[:, None] + torch.arange(T)[None, :]
+        return cls(ids.to(device), pos.to(device), qlens.to(device), (starts + qlens).to(device),
                    tables.to(device))
 
 
@@ -138,6 +134,8 @@ class PagedCausalLM(nn.Module):
         cos, sin = self.rotary_emb(hidden, batch.positions)
         mask = self._attention_mask(batch, block)
         slot_pages, slot_offsets, valid = self._write_slots(batch, block)
+        pages = batch.block_tables.flatten()
+        key_buf, value_buf = self._workspace(pages.numel(), kv.shape[3:], kv.dtype, kv.device)
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -150,8 +148,8 @@ class PagedCausalLM(nn.Module):
             new_v = v.transpose(1, 2).reshape(S * T, self.num_kv_heads, self.head_dim)
             layer_kv[slot_pages, 0, slot_offsets] = new_k[valid]
             layer_kv[slot_pages, 1, slot_offsets] = new_v[valid]
-            keys = layer_kv[:, 0][batch.block_tables].flatten(1, 2).transpose(1, 2)
-            values = layer_kv[:, 1][batch.block_tables].flatten(1, 2).transpose(1, 2)
+            keys = self._gather(layer_kv[:, 0], pages, key_buf, S)
+            values = self._gather(layer_kv[:, 1], pages, value_buf, S)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                  scale=self.scaling,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
@@ -160,6 +158,27 @@ class PagedCausalLM(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = hidden[torch.arange(S, device=hidden.device), batch.query_lens - 1]
         return self.lm_head(self.norm(last)).float()
+
+    def _workspace(self, num_pages: int, page_shape: torch.Size, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two reusable buffers for one layer's gathered K and V pages.
+
+        Reused across layers and steps (grown when a batch needs more): a fresh multi-MB
+        allocation per layer costs page faults that were measured at ~4x the copy itself.
+        """
+        need = 2 * num_pages * page_shape.numel()
+        ws = getattr(self, "_ws", None)
+        if ws is None or ws.numel() < need or ws.dtype != dtype or ws.device != device:
+            ws = torch.empty(need, dtype=dtype, device=device)
+            self._ws = ws
+        half = need // 2
+        return (ws[:half].view(num_pages, *page_shape), ws[half:need].view(num_pages, *page_shape))
+
+    @staticmethod
+    def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor, S: int) -> torch.Tensor:
+        """[S, kv_heads, tokens, head_dim] view of the pages' K (or V), copied into `out`."""
+        torch.index_select(pages_kv, 0, pages, out=out)
+        return out.view(S, -1, *out.shape[2:]).transpose(1, 2)
 
     def _attention_mask(self, batch: Batch, block: int) -> torch.Tensor:
         """[S, 1, T, K] boolean: key j visible to query t iff j <= pos(t) (and inside the window)."""
