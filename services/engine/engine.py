@@ -70,10 +70,13 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model.vocab_size})")
-        total = min(len(prompt_ids) + params.max_tokens, self.model.max_context)
+        # A prefill worker holds only the prompt; the others also grow by the generated tokens.
+        total = len(prompt_ids) if self.config.role == "prefill" else min(
+            len(prompt_ids) + params.max_tokens, self.model.max_context)
         need = pages_for_tokens(total, self.config.block_size)
         if need > self.config.num_pages:
-            raise ValueError(f"prompt + max_tokens needs {need} pages; the pool has {self.config.num_pages}")
+            what = "prompt" if self.config.role == "prefill" else "prompt + max_tokens"
+            raise ValueError(f"{what} needs {need} pages; the pool has {self.config.num_pages}")
 
     def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, *,
                     reservation: Hashable | None = None) -> Sequence:

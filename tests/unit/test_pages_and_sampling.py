@@ -113,6 +113,13 @@ def test_invalid_requests_are_refused_clearly(tiny):
             engine.add_request("a", [5] * 100, SamplingParams(max_tokens=40))
     finally:
         engine.close()
+    prefill = Engine(tiny, EngineConfig(role="prefill", num_pages=8), eos_token_ids=[])
+    try:  # a prefill pool holds the prompt only: max_tokens does not count against it
+        prefill.add_request("a", [5] * 100, SamplingParams(max_tokens=4000))
+        with pytest.raises(ValueError, match="prompt needs 9 pages; the pool has 8"):
+            prefill.add_request("b", [5] * 130, SamplingParams())
+    finally:
+        prefill.close()
 
 
 @pytest.mark.parametrize("kwargs, field", [
