@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.demo:
             from pdserve import client
 
-            print(f"\ndemo: {cfg.demo_prompt!r}\n", flush=True)
+            note = (" (the built-in model has random weights: the text is noise, the path and "
+                    "the timings are real)" if size else "")
+            print(f"\ndemo: {cfg.demo_prompt!r}{note}\n", flush=True)
             status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
                                   "--ignore-eos", cfg.demo_prompt])
         else:

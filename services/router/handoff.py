@@ -28,6 +28,7 @@ log = logging.getLogger("pdserve.router")
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.ABORTED})
+LEASE_MARGIN_S = 10.0  # decode leases = the prefill deadline + this
 
 
 class Reservation:
@@ -171,8 +172,11 @@ class HandoffRunner:
         ranked = rank_decode(self._pool.decode_loads(), num_tokens, avoid)
         if not ranked:
             raise Unavailable("no healthy decode worker")
+        # The lease must outlive the longest prefill this router waits for; it only matters
+        # when nobody releases the pages (this router died), and then they come back after it.
         request = decode_pb2.ReserveRequest(request_id=worker_request_id,
-                                            num_prompt_tokens=num_tokens)
+                                            num_prompt_tokens=num_tokens,
+                                            lease_ms=(self._prefill_timeout_s + LEASE_MARGIN_S) * 1e3)
         full: list[str] = []
         down: list[str] = []
         for address in ranked:
