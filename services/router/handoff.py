@@ -124,12 +124,17 @@ class HandoffRunner:
         self._abort_timeout_s = abort_timeout_s
         self._clock = clock
 
-    def run(self, gen: Generation, scope: CallScope) -> Handoff:
-        """Return the handoff, or raise `ServiceError` / `ClientCancelled`."""
+    def run(self, gen: Generation, scope: CallScope, *, first_attempt: int = 1,
+            avoid_decode: set[str] | None = None, earlier: list[str] | None = None) -> Handoff:
+        """Return the handoff, or raise `ServiceError` / `ClientCancelled`.
+
+        A request gets at most `max_retries + 1` attempts in all: a caller whose handoff failed
+        later (decode did not start) calls again with the next `first_attempt`.
+        """
         avoid_prefill: set[str] = set()
-        avoid_decode: set[str] = set()
-        failures: list[str] = []
-        for attempt in range(1, self._max_retries + 2):
+        avoid_decode = set(avoid_decode or ())
+        failures: list[str] = list(earlier or ())
+        for attempt in range(first_attempt, self._max_retries + 2):
             try:
                 return self._attempt(gen, scope, attempt, avoid_prefill, avoid_decode)
             except _Retry as failure:
@@ -138,7 +143,7 @@ class HandoffRunner:
                 avoid_prefill.update(filter(None, [failure.prefill]))
                 avoid_decode.update(filter(None, [failure.decode]))
         raise Unavailable(f"request {gen.request_id} failed before its first token after "
-                          f"{len(failures)} attempts: " + "; ".join(failures))
+                          f"{self._max_retries + 1} attempts: " + "; ".join(failures))
 
     def _attempt(self, gen: Generation, scope: CallScope, attempt: int,
                  avoid_prefill: set[str], avoid_decode: set[str]) -> Handoff:

@@ -48,6 +48,16 @@ from pdserve.v1 import decode_pb2, router_pb2
 log = logging.getLogger("pdserve.router")
 
 
+# Decode failing before its first message: the worker died, or the handoff's lease or data
+# did not hold. Nothing was streamed, so another attempt is still allowed.
+DECODE_START_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+class DecodeDidNotStart(Exception):
+    """Decode failed before the sequence was live: no token has been sent to the client."""
+
+
 class Completion:
     """The generated tokens of one request: counts them, turns them into text, and decides
     when it is finished ("stop": EOS or a stop string; "length": max_tokens)."""
@@ -124,8 +134,19 @@ class Lifecycle:
                     gen = validate(request, self._tokenizer, self.model_name)
                 fields.update(request_id=gen.request_id, prompt_tokens=len(gen.prompt_ids))
                 handoff = self._runner.run(gen, scope)
-            with scope.guard(handoff.reservation.release_nowait):
-                yield from self._stream(gen, handoff, scope, received, fields, span)
+            while True:
+                try:
+                    with scope.guard(handoff.reservation.release_nowait):
+                        yield from self._stream(gen, handoff, scope, received, fields, span)
+                    break
+                except DecodeDidNotStart as failure:
+                    # No token reached the client yet: the whole handoff may go elsewhere.
+                    log.info("request %s: %s; retrying", gen.request_id, failure)
+                    fields.pop("completion_tokens", None)  # nothing of that attempt was sent
+                    with tracing.current(span):
+                        handoff = self._runner.run(gen, scope, first_attempt=handoff.attempts + 1,
+                                                   avoid_decode={handoff.reservation.address},
+                                                   earlier=[str(failure)])
         except (ClientCancelled, GeneratorExit) as exc:
             fields["status"] = "CANCELLED"
             tracing.record_error(span, exc)
@@ -185,6 +206,10 @@ class Lifecycle:
                     except grpc.RpcError as exc:
                         if scope.cancelled:
                             raise ClientCancelled() from None
+                        if clock.first_at is None and exc.code() in DECODE_START_RETRYABLE:
+                            raise DecodeDidNotStart(
+                                f"decode {reservation.address} did not start the sequence: "
+                                f"{exc.code().name} {exc.details()}") from None
                         raise ServiceError(
                             f"decode {reservation.address} failed after {completion.tokens} "
                             f"tokens were streamed: {exc.code().name} {exc.details()}",

@@ -43,6 +43,7 @@ class Script:
     decode_finish: str = "length"
     prefill_failures: list[grpc.StatusCode] = field(default_factory=list)
     decode_fail_after: int | None = None
+    decode_start_failures: list[grpc.StatusCode] = field(default_factory=list)
     exhausted: bool = False
     block_prefill: threading.Event | None = None
     block_decode_after: int | None = None
@@ -97,6 +98,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     def Decode(self, request, context):
         self.script.decodes.append(request)
+        with self.script.lock:
+            failure = (self.script.decode_start_failures.pop(0)
+                       if self.script.decode_start_failures else None)
+        if failure is not None:
+            context.abort(failure, f"{self.name} could not start the sequence")
         yield decode_pb2.DecodeResponse(decode_start_ms=1.5)
         rest = self.script.tokens[1:]
         for i, token in enumerate(rest):
@@ -340,3 +346,26 @@ def test_router_health_needs_both_roles(tok):
     finally:
         pool.close()
         handle.server.stop(0)
+
+
+def test_decode_failing_to_start_retries_the_whole_handoff(stack, tok):
+    """Decode failed before its first message: no token was sent, so reserve + prefill +
+    decode run again (bounded), and the failed reservation is released."""
+    script, stub, _ = stack
+    script.decode_start_failures = [grpc.StatusCode.FAILED_PRECONDITION]
+    n = len(script.tokens)
+    out = run(stub, prompt="the fox", max_tokens=n, request_id="r")
+    assert kinds(out) == "dt" + "d" * (n - 1) + "f" and text_of(out) == TEXT
+    assert out[1].timing.attempts == 2
+    assert [d.ticket.request_id for d in script.decodes] == ["r", "r#2"]
+    assert [rid for rid, _ in script.aborts] == ["r"]
+
+
+def test_decode_start_retries_are_bounded(stack):
+    script, stub, _ = stack
+    script.decode_start_failures = [grpc.StatusCode.UNAVAILABLE] * 5
+    with pytest.raises(grpc.RpcError) as err:
+        run(stub, prompt="x")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "after 2 attempts" in err.value.details()
+    assert len(script.decodes) == 2 and len(script.aborts) == 2
