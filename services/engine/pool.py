@@ -9,55 +9,16 @@ segment on CPU, device memory exportable over CUDA IPC on GPU. Page i starts at 
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Hashable
 
 import torch
+from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.shm import SharedSegment
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-@dataclasses.dataclass(frozen=True)
-class LayoutFingerprint:
-    """Everything that decides whether two pools hold pages of the same shape and meaning."""
-
-    model_id: str
-    model_revision: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def page_bytes(self) -> int:
-        elems = 1
-        for dim in self.page_shape:
-            elems *= dim
-        return elems * DTYPES[self.dtype].itemsize
-
-    def mismatches(self, other: LayoutFingerprint) -> list[str]:
-        """`field: mine != theirs` for every field that differs (empty when compatible)."""
-        return [
-            f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
+__all__ = ["DTYPES", "KVPool", "LayoutFingerprint", "OutOfPages", "PageAllocator", "pages_for_tokens"]
 
 
 class OutOfPages(RuntimeError):

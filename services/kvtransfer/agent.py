@@ -32,7 +32,7 @@ from pdserve.kvtransfer.errors import (
     cause,
 )
 from pdserve.kvtransfer.peers import PeerDirectory
-from pdserve.kvtransfer.pool import Fingerprint, Pool
+from pdserve.kvtransfer.pool import Fingerprint, Pool, expect_same
 from pdserve.kvtransfer.runs import check_page_ids, coalesce, expand
 from pdserve.kvtransfer.tickets import Status, TicketBook, TicketKey
 from pdserve.kvtransfer.traced import traced_sink
@@ -190,7 +190,7 @@ class Agent:
             raise BadRequest("src_page_ids is empty")
         _check_pages(src_page_ids, pool.num_pages, "src_page_ids")
         if dest.fingerprint is not None:
-            pool.fingerprint.expect_same(dest.fingerprint, "source", "destination")
+            expect_same(pool.fingerprint, dest.fingerprint, "source", "destination")
         try:
             runs = coalesce(src_page_ids, dest.page_ids)
         except ValueError as exc:
@@ -279,7 +279,7 @@ class Agent:
                              f"addressed to epoch {header.dst_agent_epoch}: the agent restarted "
                              "since the pages were reserved")
         pool = self._pool(header.dst_pool_id)
-        pool.fingerprint.expect_same(header.fingerprint, "destination", "source")
+        expect_same(pool.fingerprint, header.fingerprint, "destination", "source")
         if header.page_bytes != pool.page_bytes:
             raise BadRequest(f"page_bytes: source {header.page_bytes} != destination "
                              f"{pool.page_bytes}")

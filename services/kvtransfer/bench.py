@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.common.layout import DTYPE_BYTES
 from pdserve.common.shm import SharedSegment
-from pdserve.kvtransfer.pool import DTYPE_BYTES
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 MIB = 1 << 20

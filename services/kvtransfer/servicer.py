@@ -56,8 +56,11 @@ def ticket_key(ticket: common_pb2.Ticket) -> TicketKey:
 
 
 def fingerprint(fp: common_pb2.LayoutFingerprint) -> Fingerprint:
-    return Fingerprint(fp.model_id, fp.model_revision, fp.dtype, fp.num_layers, fp.num_kv_heads,
-                       fp.head_dim, fp.block_size, fp.tp_rank, fp.tp_size)
+    try:
+        return Fingerprint(fp.model_id, fp.model_revision, fp.dtype, fp.num_layers,
+                           fp.num_kv_heads, fp.head_dim, fp.block_size, fp.tp_rank, fp.tp_size)
+    except ValueError as exc:
+        raise errors.BadRequest(f"fingerprint: {exc}") from None
 
 
 class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
