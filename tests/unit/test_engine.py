@@ -21,7 +21,14 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 def _make_hf_dir(root: Path, kind: str) -> Path:
     """A tiny random model of another Llama-family architecture (tokenizer not needed)."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512, max_position_embeddings=1024,
@@ -29,6 +36,10 @@ def _make_hf_dir(root: Path, kind: str) -> Path:
     torch.manual_seed(1234)
     if kind == "qwen2":  # q/k/v biases, untied embeddings
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    elif kind == "llama-rope-scaled":  # llama3-style rope scaling, as the config says
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
     else:  # sliding-window attention shorter than the longest prompt
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=48))
     path = root / kind
@@ -36,7 +47,7 @@ def _make_hf_dir(root: Path, kind: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["builtin-tiny", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["builtin-tiny", "qwen2", "mistral", "llama-rope-scaled"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     if request.param == "builtin-tiny":
         return request.getfixturevalue("tiny_model_dir")
