@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator
 
 from pdserve.common.metrics import count_outcome
-from pdserve.common.server import FailedPrecondition, InvalidArgument, Unavailable
+from pdserve.common.server import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from pdserve.decode.worker import DecodeEvent, DecodeWorker
+from pdserve.engine.loop import SequenceAborted
 from pdserve.engine.sampling import SamplingParams
-from pdserve.prefill.worker import PrefillResult
+from pdserve.prefill.worker import PREFILL_WAIT_S, PrefillResult
 from pdserve.v1 import common_pb2
 
 
@@ -32,25 +33,30 @@ class ColocatedWorker(DecodeWorker):
         self._streams_lock = threading.Lock()
 
     def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
+                ticket: common_pb2.Ticket, destination: common_pb2.KVDestination,
+                cancelled: threading.Event | None = None) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
-            return self._prefill(request_id, token_ids, params, ticket, destination)
+            return self._prefill(request_id, token_ids, params, ticket)
 
     def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
+                 ticket: common_pb2.Ticket) -> PrefillResult:
         received = time.perf_counter()
         self._take_reservation(ticket)
         key = (request_id, self.epoch)
-        q = self.loop.subscribe(request_id)
         try:
-            self.loop.submit(lambda e: e.add_request(request_id, token_ids, params, reservation=key))
+            _, q = self.loop.start_sequence(request_id, lambda e: e.add_request(
+                request_id, token_ids, params, reservation=key))
         except ValueError as exc:
-            self.loop.unsubscribe(request_id)
             self.loop.submit(lambda e: e.release(key))
             raise InvalidArgument(str(exc)) from None
-        out = q.get(timeout=300.0)
+        try:
+            out = q.get(timeout=PREFILL_WAIT_S)
+        except queue.Empty:
+            out = Unavailable(f"prefill of {request_id} did not finish in {PREFILL_WAIT_S:.0f}s")
         if isinstance(out, BaseException):
-            self.loop.unsubscribe(request_id)
+            self._forget(request_id)
+            if isinstance(out, SequenceAborted):
+                raise Aborted(f"prefill of {request_id} was cancelled")
             raise Unavailable(str(out))
         if out.finish_reason:
             self.loop.unsubscribe(request_id)
@@ -84,10 +90,11 @@ class ColocatedWorker(DecodeWorker):
         return self._forget(ticket.request_id)
 
     def _forget(self, rid: str) -> bool:
+        found = self._abort_sequence(rid)  # wakes a prefill still waiting on it
         with self._streams_lock:
             self._streams.pop(rid, None)
         self.loop.unsubscribe(rid)
-        return self._abort_sequence(rid)
+        return found
 
     def stats(self) -> dict:
         return {**super().stats(), "role": "colocated"}

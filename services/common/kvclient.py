@@ -47,8 +47,10 @@ class AgentClient:
             timeout=self.timeout_s)
 
     def cancel(self, ticket: common_pb2.Ticket) -> kvtransfer_pb2.CancelTransferResponse:
+        # The agent may wait for an in-flight write to stop before it answers (its
+        # --cancel-wait-s); give it longer than that, so "timed out" means it could not.
         return self.stub.CancelTransfer(kvtransfer_pb2.CancelTransferRequest(ticket=ticket),
-                                        timeout=self.timeout_s)
+                                        timeout=2 * self.timeout_s)
 
     def status(self, ticket: common_pb2.Ticket) -> kvtransfer_pb2.TransferStatusResponse:
         return self.stub.TransferStatus(kvtransfer_pb2.TransferStatusRequest(ticket=ticket),

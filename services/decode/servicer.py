@@ -26,6 +26,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           prompt_tokens=request.num_prompt_tokens) as span:
             ticket, dest = self.worker.reserve(request.request_id, request.num_prompt_tokens, request.lease_ms)
             span.set_attribute("kv_pages", len(dest.page_ids))
+        if not context.is_active():  # the caller gave up (cancelled, timed out): nobody will use them
+            self.worker.abort(ticket)
         return decode_pb2.ReserveResponse(ticket=ticket, destination=dest)
 
     def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext

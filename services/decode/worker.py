@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 from pdserve.common.kvclient import AgentClient, fingerprint_pb
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.server import (
@@ -25,7 +26,7 @@ from pdserve.common.server import (
     ResourceExhausted,
     Unavailable,
 )
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, SequenceAborted
 from pdserve.engine.pool import OutOfPages
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import StepOutput
@@ -70,6 +71,7 @@ class DecodeWorker:
         self.admitting = True
         self._lock = threading.Lock()
         self._reservations: dict[str, Reservation] = {}
+        self._quarantine: dict[str, Reservation] = {}  # pages a write may still be landing in
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="lease-reaper", daemon=True)
         self.metrics = WorkerMetrics(self.role, self.stats)
@@ -125,21 +127,47 @@ class DecodeWorker:
         return res
 
     def _drop_reservation(self, request_id: str) -> bool:
-        """Close the agent's write window, then free the pages (in this order)."""
+        """Close the agent's write window, then free the pages (in this order).
+
+        When the agent cannot confirm that no write is in flight, the pages are quarantined
+        (neither free nor reserved) and the reaper retries, so they are never handed to
+        another request while bytes may still land in them.
+        """
         with self._lock:
             res = self._reservations.pop(request_id, None)
         if res is None:
             return False
-        try:
-            if self.agent is not None:
-                self.agent.cancel(res.ticket)
-        except Exception as exc:  # the agent is gone: nothing can write any more
-            log.warning("cancel of %s at agent failed: %s", request_id, exc)
-        self.loop.submit(lambda e: e.release((request_id, self.epoch)))
+        self._release_when_closed(request_id, res)
         return True
+
+    def _release_when_closed(self, request_id: str, res: Reservation) -> None:
+        if self._close_window(res.ticket):
+            self.loop.submit(lambda e: e.release((request_id, self.epoch)))
+        else:
+            with self._lock:
+                self._quarantine[request_id] = res
+
+    def _close_window(self, ticket: common_pb2.Ticket) -> bool:
+        """True once the agent accepts no more writes for the ticket (or is gone)."""
+        if self.agent is None:
+            return True
+        try:
+            self.agent.cancel(ticket)
+            return True
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # no agent: nothing can write
+                return True
+            log.warning("could not close the KV write window of %s (%s: %s); pages quarantined",
+                        ticket.request_id, exc.code().name, exc.details())
+            return False
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(REAP_INTERVAL_S):
+            with self._lock:
+                quarantined = list(self._quarantine.items())
+                self._quarantine.clear()
+            for rid, res in quarantined:
+                self._release_when_closed(rid, res)
             now = time.monotonic()
             with self._lock:
                 expired = [rid for rid, r in self._reservations.items() if r.deadline <= now]
@@ -152,16 +180,23 @@ class DecodeWorker:
     def decode(self, ticket: common_pb2.Ticket, prompt_ids: list[int], first_token: int,
                params: SamplingParams) -> Iterator[DecodeEvent]:
         received = time.perf_counter()
-        self._take_reservation(ticket)
+        res = self._take_reservation(ticket)
         key = (ticket.request_id, self.epoch)
         rid = ticket.request_id
         try:
             status = self.agent.status(ticket)
-            self.agent.cancel(ticket)  # the handoff is over: no write may land after this
+        except BaseException:
+            self._release_when_closed(rid, res)
+            raise
+        if not self._close_window(ticket):  # the handoff is over: no write may land after this
+            with self._lock:
+                self._quarantine[rid] = res
+            raise Unavailable(f"the kvtransfer agent could not close the write window of {rid}")
+        try:
             if not status.complete:
                 raise FailedPrecondition(f"KV handoff for {rid} has not completed on {self.worker_id}")
-            q = self.loop.subscribe(rid)
-            reason = self.loop.submit(lambda e: e.add_prefilled(rid, key, prompt_ids, first_token, params))
+            reason, q = self.loop.start_sequence(
+                rid, lambda e: e.add_prefilled(rid, key, prompt_ids, first_token, params))
         except ValueError as exc:
             self.loop.submit(lambda e: e.release(key))
             raise InvalidArgument(str(exc)) from None
@@ -189,6 +224,9 @@ class DecodeWorker:
                 items.append(q.get_nowait())
             tokens: list[int] = []
             for it in items:
+                if isinstance(it, SequenceAborted):  # Abort from the router, or a drain
+                    yield DecodeEvent(tokens, "abort")
+                    return
                 if isinstance(it, BaseException):
                     raise Unavailable(str(it))
                 out: StepOutput = it
@@ -207,7 +245,7 @@ class DecodeWorker:
 
     def _abort_sequence(self, rid: str) -> bool:
         """End a live sequence now (False when it already ended), counted as finished by abort."""
-        found = bool(self.loop.submit(lambda e: e.abort(rid)))
+        found = self.loop.abort(rid)
         if found:
             self.metrics.finished.labels("abort").inc()
         return found

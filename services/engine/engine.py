@@ -58,6 +58,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
+        self.reservations: set[Hashable] = set()  # owners of pages reserved for a handoff
+        self.stalled = False  # the last step found work but could run none of it
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -96,10 +98,21 @@ class Engine:
         return seq
 
     def reserve(self, owner: Hashable, num_prompt_tokens: int) -> list[int]:
-        """Decode role: pages for a prompt's KV before it is prefilled elsewhere (OutOfPages)."""
+        """Decode role: pages for a prompt's KV before it is prefilled elsewhere.
+
+        OutOfPages when the pages are not free, or when `max_num_seqs` sequences are already
+        running, waiting or reserved.
+        """
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
-        return self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens, self.config.block_size))
+        live = len(self.running) + len(self.waiting) + len(self.reservations)
+        if live >= self.config.max_num_seqs:
+            raise OutOfPages(f"{live} sequences running or reserved (max_num_seqs "
+                             f"{self.config.max_num_seqs})")
+        pages = self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens,
+                                                                self.config.block_size))
+        self.reservations.add(owner)
+        return pages
 
     def release(self, owner: Hashable) -> int:
         """Free a reservation's (or a prefilled sequence's) pages; returns how many."""
@@ -108,6 +121,7 @@ class Engine:
             num_pages = len(self.allocator.pages_of(owner))
             self._finish(seq, seq.finish_reason or "handoff")
             return num_pages
+        self.reservations.discard(owner)
         return self.allocator.free(owner)
 
     def add_prefilled(self, seq_id: str, reservation: Hashable, prompt_ids: list[int],
@@ -119,6 +133,7 @@ class Engine:
         """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        self.check_prompt(prompt_ids, params)  # it must be able to finish in this pool
         self._adopt(reservation, seq_id, len(prompt_ids))
         seq = Sequence(seq_id, [*prompt_ids, first_token], len(prompt_ids), params,
                        make_generator(params, self.device), num_cached=len(prompt_ids))
@@ -137,6 +152,7 @@ class Engine:
         if held != expected:
             raise ValueError(f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}")
         self.allocator.transfer(reservation, seq_id)
+        self.reservations.discard(reservation)
 
     def abort(self, seq_id: str) -> bool:
         seq = self.seqs.get(seq_id)
@@ -157,6 +173,7 @@ class Engine:
     # ---- stepping --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self._plan_prefill()
+        self.stalled = not plan and not self.running  # waiting on pages held elsewhere
         if plan:
             return self._run_prefill(plan)
         if self.running:
@@ -171,8 +188,10 @@ class Engine:
             if budget == 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
                 break
             chunk = min(seq.num_tokens - seq.num_cached, self.config.chunk_size, budget)
-            need = pages_for_tokens(seq.num_cached + chunk, self.config.block_size) - len(
-                self.allocator.pages_of(seq.seq_id))
+            # All pages of the sequence's tokens at its first chunk, or none: sequences that
+            # each hold part of what they need could otherwise wait on each other forever.
+            need = max(0, pages_for_tokens(seq.num_tokens, self.config.block_size)
+                       - self.allocator.num_pages_of(seq.seq_id))
             if not self.allocator.can_allocate(need):
                 break  # FIFO: later prompts do not overtake the head of the queue
             self.allocator.allocate(seq.seq_id, need)
@@ -231,8 +250,8 @@ class Engine:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted in this loop
-            if pages_for_tokens(seq.num_tokens, self.config.block_size) <= len(
-                    self.allocator.pages_of(seq.seq_id)):
+            if pages_for_tokens(seq.num_tokens, self.config.block_size) <= \
+                    self.allocator.num_pages_of(seq.seq_id):
                 continue
             while not self.allocator.can_allocate(1):
                 victim = self._pick_victim()

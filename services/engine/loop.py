@@ -25,6 +25,10 @@ class EngineFailure(RuntimeError):
     """The engine raised inside a step; every sequence of that step ends with it."""
 
 
+class SequenceAborted(RuntimeError):
+    """Put on a sequence's queue when it was aborted, so whoever waits on it wakes up."""
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, *, on_tick: Callable[[Engine], None] | None = None,
                  tick_s: float = 0.05):
@@ -54,6 +58,31 @@ class EngineLoop:
             self._wake.notify()
             return result
 
+    def start_sequence(self, seq_id: str, fn: Callable[[Engine], T]
+                       ) -> tuple[T, queue.SimpleQueue[StepOutput | BaseException]]:
+        """Run `fn(engine)` (which adds `seq_id`) and subscribe to its outputs, atomically.
+
+        Raises ValueError, touching nothing, when `seq_id` is already live here: a duplicate
+        request id must never take over another request's outputs or pages.
+        """
+        with self._wake:
+            if seq_id in self._queues:
+                raise ValueError(f"sequence {seq_id!r} already exists")
+            result = fn(self.engine)
+            q: queue.SimpleQueue[StepOutput | BaseException] = queue.SimpleQueue()
+            self._queues[seq_id] = q
+            self._wake.notify()
+            return result, q
+
+    def abort(self, seq_id: str, reason: str = "aborted") -> bool:
+        """Abort a sequence and wake its reader with `SequenceAborted`; False if unknown."""
+        with self._wake:
+            found = self.engine.abort(seq_id)
+            q = self._queues.get(seq_id)
+            if q is not None:
+                q.put(SequenceAborted(f"{seq_id}: {reason}"))
+            return found
+
     def subscribe(self, seq_id: str) -> queue.SimpleQueue[StepOutput | BaseException]:
         q: queue.SimpleQueue[StepOutput | BaseException] = queue.SimpleQueue()
         with self._lock:
@@ -79,6 +108,10 @@ class EngineLoop:
                 except Exception as exc:  # a failed step must not leave callers waiting forever
                     log.exception("engine step failed")
                     outputs = self._fail_all(exc)
+                if self.engine.stalled:
+                    # Work is waiting for pages held elsewhere (a handoff, a reservation):
+                    # sleep until something changes instead of spinning.
+                    self._wake.wait(self._tick_s)
                 targets = [(self._queues.get(self._seq_id(o)), o) for o in outputs]
             for q, out in targets:
                 if q is not None:

@@ -60,6 +60,9 @@ class PageAllocator:
     def pages_of(self, owner: Hashable) -> list[int]:
         return list(self._owned.get(owner, ()))
 
+    def num_pages_of(self, owner: Hashable) -> int:
+        return len(self._owned.get(owner, ()))
+
     def owns(self, owner: Hashable) -> bool:
         return owner in self._owned
 

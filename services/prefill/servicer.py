@@ -22,9 +22,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
         rid = request.request_id
-        finished = threading.Event()
-        # Runs when the call ends for any reason; only a caller that left early cancels work.
-        context.add_callback(lambda: None if finished.is_set() else self.worker.cancel(rid))
+        finished, cancelled = threading.Event(), threading.Event()
+
+        def on_done() -> None:  # runs when the call ends for any reason
+            if not finished.is_set():  # the caller left before the answer
+                cancelled.set()
+                self.worker.cancel(rid)
+
+        context.add_callback(on_done)
         with tracing.span("prefill.request", kind=tracing.SERVER, request_id=rid,
                           worker_id=self.worker.worker_id, prompt_tokens=len(request.token_ids),
                           model=self.worker.fingerprint.model_id) as span:
@@ -32,7 +37,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             try:
                 result = self.worker.prefill(rid, list(request.token_ids),
                                              sampling_from_pb(request.sampling), request.ticket,
-                                             request.destination)
+                                             request.destination, cancelled)
             finally:
                 finished.set()
             tracing.record_phase("prefill.compute", span, started_ns + int(result.queue_ms * 1e6),

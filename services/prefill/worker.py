@@ -24,7 +24,7 @@ from pdserve.common.server import (
     ServiceError,
     Unavailable,
 )
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, SequenceAborted
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import common_pb2
 
@@ -55,7 +55,6 @@ class PrefillWorker:
         self.pool_id = ""
         self.admitting = True
         self._sends: dict[str, grpc.Future] = {}
-        self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self.metrics = WorkerMetrics(self.role, self.stats)
 
@@ -66,44 +65,48 @@ class PrefillWorker:
         self.pool_id = reply.pool_id
 
     def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
+                ticket: common_pb2.Ticket, destination: common_pb2.KVDestination,
+                cancelled: threading.Event | None = None) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
-            return self._prefill(request_id, token_ids, params, ticket, destination)
+            return self._prefill(request_id, token_ids, params, ticket, destination,
+                                 cancelled or threading.Event())
 
     def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination) -> PrefillResult:
+                 ticket: common_pb2.Ticket, destination: common_pb2.KVDestination,
+                 cancelled: threading.Event) -> PrefillResult:
         if not self.admitting:
             raise Unavailable(f"prefill worker {self.worker_id} is draining")
         received = time.perf_counter()
-        q = self.loop.subscribe(request_id)
         try:
-            try:
-                self.loop.submit(lambda e: e.add_request(request_id, token_ids, params))
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
+            _, q = self.loop.start_sequence(
+                request_id, lambda e: e.add_request(request_id, token_ids, params))
+        except ValueError as exc:  # bad prompt, or this request id is already being prefilled
+            raise InvalidArgument(str(exc)) from None
+        try:
             try:
                 out = q.get(timeout=PREFILL_WAIT_S)
             except queue.Empty:
-                self.loop.submit(lambda e: e.abort(request_id))
+                self.loop.abort(request_id, "timed out")
                 raise DeadlineExceeded(f"prefill of {request_id} did not finish in {PREFILL_WAIT_S:.0f}s") from None
+            if isinstance(out, SequenceAborted):
+                raise Aborted(f"prefill of {request_id} was cancelled")
             if isinstance(out, BaseException):
                 raise Unavailable(str(out))
             done = time.perf_counter()
             queue_ms = max(0.0, (done - received) * 1e3 - out.prefill_ms)
             report = common_pb2.TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
-                report = self._ship(request_id, ticket, out.page_ids, destination)
+                report = self._ship(request_id, ticket, out.page_ids, destination, cancelled)
             return PrefillResult(out.token, out.finish_reason, queue_ms, out.prefill_ms, report)
         finally:
             self.loop.unsubscribe(request_id)
             self.loop.submit(lambda e: e.release(request_id) if request_id in e.seqs else 0)
-            with self._lock:
-                self._cancelled.discard(request_id)
 
     def _ship(self, request_id: str, ticket: common_pb2.Ticket, page_ids: list[int],
-              destination: common_pb2.KVDestination) -> common_pb2.TransferReport:
+              destination: common_pb2.KVDestination, cancelled: threading.Event
+              ) -> common_pb2.TransferReport:
         with self._lock:
-            if request_id in self._cancelled:
+            if cancelled.is_set():
                 raise Aborted(f"{request_id} was cancelled")
             fut = self.agent.send_async(ticket, self.pool_id, page_ids, destination,
                                         self.transfer_timeout_s)
@@ -121,11 +124,10 @@ class PrefillWorker:
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop queued work, free running work's pages, stop a send."""
         with self._lock:
-            self._cancelled.add(request_id)
             fut = self._sends.get(request_id)
         if fut is not None:
             fut.cancel()
-        self.loop.submit(lambda e: e.abort(request_id))
+        self.loop.abort(request_id, "cancelled by the caller")
 
     def stats(self) -> dict:
         e = self.engine
