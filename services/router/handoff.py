@@ -189,11 +189,18 @@ class HandoffRunner:
             try:
                 reply = self._call(scope, stub.Reserve, request, self._reserve_timeout_s,
                                    "decode", address, decode=address)
+            except (ClientCancelled, _Retry) as failure:
+                # The worker may still have granted it after we stopped waiting: release it
+                # (by request id) so the pages do not sit out the whole lease.
+                stub.Abort.future(decode_pb2.AbortRequest(
+                    ticket=common_pb2.Ticket(request_id=worker_request_id),
+                    reason="reserve abandoned by the router"), timeout=self._abort_timeout_s)
+                if isinstance(failure, ClientCancelled):
+                    raise
+                down.append(str(failure))
+                continue
             except ResourceExhausted:
                 full.append(address)
-                continue
-            except _Retry as failure:
-                down.append(str(failure))
                 continue
             self._pool.note_reserved(address, len(reply.destination.page_ids))
             return Reservation(stub, address, reply, self._abort_timeout_s)
