@@ -14,12 +14,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdserve.common.health import wait_serving
 
-__all__ = ["free_port", "wait_serving", "ServiceProcess", "running", "pdserve_argv"]
+__all__ = ["free_port", "wait_serving", "wait_for", "ServiceProcess", "running", "pdserve_argv"]
 
 
 def free_port() -> int:
@@ -76,3 +77,13 @@ def running(argv: Sequence[str], address: str | None = None, env: dict[str, str]
 
 def pdserve_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
+    """Poll `predicate` until true (True) or the deadline passes (False): a bounded poll."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False

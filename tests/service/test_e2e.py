@@ -6,7 +6,6 @@ token against transformers.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,6 +14,7 @@ from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from tests.conftest import MAX_TOKENS, PROMPTS
 from tests.service.stack import collect, pdserve_stack
+from tests.support import wait_for
 
 pytestmark = pytest.mark.service
 
@@ -64,15 +64,6 @@ def test_sixteen_concurrent_streams_equal_transformers(stack, reference):
     assert stack.decode_stats().free_pages == stack.decode_stats().num_pages
 
 
-def _wait_for(predicate, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)  # bounded poll of the worker's Stats
-    return False
-
-
 def test_cancelled_stream_frees_decode_pages(stack):
     start = stack.decode_stats()
     with grpc.insecure_channel(stack.router) as ch:
@@ -86,7 +77,7 @@ def test_cancelled_stream_frees_decode_pages(stack):
         during = stack.decode_stats()
         call.cancel()
     assert during.free_pages < start.free_pages
-    assert _wait_for(lambda: stack.decode_stats().free_pages == start.free_pages)
+    assert wait_for(lambda: stack.decode_stats().free_pages == start.free_pages)
     assert stack.decode_stats().running_sequences == 0
     prefill = stack.prefill_stats()
     assert prefill.free_pages == prefill.num_pages
@@ -130,7 +121,7 @@ def test_reservation_whose_handoff_never_comes_is_reclaimed_when_its_lease_expir
         assert len(reply.destination.page_ids) == 7
         assert stack.decode_stats().free_pages == total - 7
         # Nobody prefills: the lease runs out and the pages come back by themselves.
-        assert _wait_for(lambda: stack.decode_stats().free_pages == total, timeout_s=15)
+        assert wait_for(lambda: stack.decode_stats().free_pages == total, timeout_s=15)
         with pytest.raises(grpc.RpcError) as err:  # a late Decode for the expired ticket
             list(decode.Decode(decode_pb2.DecodeRequest(
                 ticket=reply.ticket, prompt_token_ids=[5] * 100, first_token=5,

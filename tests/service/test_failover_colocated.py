@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from pdserve.common.shm import sweep_stale
 
 from tests.conftest import PROMPTS
 from tests.service.stack import collect, pdserve_stack
+from tests.support import wait_for
 
 pytestmark = pytest.mark.service
 
@@ -41,15 +41,6 @@ def _healthy_prefill(stack) -> float:
     return 0.0
 
 
-def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)  # bounded poll of the router's metrics
-    return False
-
-
 def _greedy(stack, prompt, **kw):
     return collect(stack.generate(prompt=prompt, max_tokens=20, temperature=0.0, **kw))
 
@@ -60,7 +51,7 @@ def test_prefill_killed_before_first_token_retries_on_the_other(reference):
     env = {"PDSERVE_ROUTER_HEALTH_INTERVAL_S": "600"}
     with pdserve_stack(prefill=2, env=env) as stack:
         first, second = sorted(stack.prefill)
-        assert _wait_for(lambda: _healthy_prefill(stack) == 2), "router never saw both prefill workers"
+        assert wait_for(lambda: _healthy_prefill(stack) == 2), "router never saw both prefill workers"
         pid = _pid_of("pdserve.prefill.main", "--port", first.rsplit(":", 1)[1])
         os.kill(pid, signal.SIGKILL)
         tok, refs = reference

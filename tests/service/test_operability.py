@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from pdserve.common.shm import leftover_segments
 
 from tests.service.stack import collect, pdserve_stack
-from tests.support import free_port, running
+from tests.support import free_port, running, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -113,7 +112,7 @@ def test_sigterm_drains_a_decode_worker_with_streams_in_flight(tiny_model_dir):
 
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(stream, i) for i in range(4)]
-            _wait(lambda: len(started) == 4)
+            assert wait_for(lambda: len(started) == 4, timeout_s=60)
             assert decode.proc.poll() is None
             decode.signal(signal.SIGTERM)
             results = [f.result(timeout=120) for f in futures]
@@ -124,10 +123,3 @@ def test_sigterm_drains_a_decode_worker_with_streams_in_flight(tiny_model_dir):
     assert not [s for s in leftover_segments() if f"-{decode.proc.pid}-" in s]
 
 
-def _wait(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)  # bounded poll
-    raise AssertionError("condition not reached in time")
