@@ -13,7 +13,7 @@ import grpc
 from pdserve.common import tracing
 from pdserve.common.convert import sampling_from_pb
 from pdserve.decode.worker import DecodeWorker
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -61,5 +61,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Stats(self, request: decode_pb2.StatsRequest, context: grpc.ServicerContext):
         return decode_pb2.WorkerStats(**self.worker.stats())
 
-
-__all__ = ["DecodeServicer", "common_pb2"]

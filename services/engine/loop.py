@@ -2,8 +2,7 @@
 
 Workers (prefill, decode, co-located) call `submit(fn)` to run `fn(engine)` on the engine
 under its lock (admission, abort, reservations) and read each sequence's outputs from the
-queue they got from `subscribe`. Between steps the loop runs `on_tick` (lease expiry and
-the like) and sleeps only when there is nothing to do.
+queue they got from `start_sequence`. The loop sleeps only when there is nothing it can run.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import StepOutput
@@ -30,10 +29,8 @@ class SequenceAborted(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, *, on_tick: Callable[[Engine], None] | None = None,
-                 tick_s: float = 0.05):
+    def __init__(self, engine: Engine, *, tick_s: float = 0.05):
         self.engine = engine
-        self._on_tick = on_tick
         self._tick_s = tick_s
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -83,12 +80,6 @@ class EngineLoop:
                 q.put(SequenceAborted(f"{seq_id}: {reason}"))
             return found
 
-    def subscribe(self, seq_id: str) -> queue.SimpleQueue[StepOutput | BaseException]:
-        q: queue.SimpleQueue[StepOutput | BaseException] = queue.SimpleQueue()
-        with self._lock:
-            self._queues[seq_id] = q
-        return q
-
     def unsubscribe(self, seq_id: str) -> None:
         with self._lock:
             self._queues.pop(seq_id, None)
@@ -98,28 +89,23 @@ class EngineLoop:
             with self._wake:
                 if self._stopping:
                     return
-                if self._on_tick is not None:
-                    self._on_tick(self.engine)
                 if not self.engine.has_work():
                     self._wake.wait(self._tick_s)
                     continue
                 try:
-                    outputs: list[StepOutput | tuple[str, BaseException]] = list(self.engine.step())
+                    results: list[tuple[str, StepOutput | BaseException]] = [
+                        (out.seq_id, out) for out in self.engine.step()]
                 except Exception as exc:  # a failed step must not leave callers waiting forever
                     log.exception("engine step failed")
-                    outputs = self._fail_all(exc)
+                    results = self._fail_all(exc)
                 if self.engine.stalled:
                     # Work is waiting for pages held elsewhere (a handoff, a reservation):
                     # sleep until something changes instead of spinning.
                     self._wake.wait(self._tick_s)
-                targets = [(self._queues.get(self._seq_id(o)), o) for o in outputs]
-            for q, out in targets:
+                targets = [(self._queues.get(seq_id), item) for seq_id, item in results]
+            for q, item in targets:
                 if q is not None:
-                    q.put(out[1] if isinstance(out, tuple) else out)
-
-    @staticmethod
-    def _seq_id(out: Any) -> str:
-        return out[0] if isinstance(out, tuple) else out.seq_id
+                    q.put(item)
 
     def _fail_all(self, exc: Exception) -> list[tuple[str, BaseException]]:
         failed = [*self.engine.waiting, *self.engine.running]
