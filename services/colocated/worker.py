@@ -13,8 +13,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from pdserve.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from pdserve.common.metrics import count_outcome
-from pdserve.common.server import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from pdserve.decode.worker import DecodeEvent, DecodeWorker
 from pdserve.engine.loop import SequenceAborted
 from pdserve.engine.sampling import SamplingParams

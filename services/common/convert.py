@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.common.server import InvalidArgument
+from pdserve.common.errors import InvalidArgument
 from pdserve.v1 import common_pb2
 
 

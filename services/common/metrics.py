@@ -41,12 +41,13 @@ def outcome_of(code: str) -> str:
 @contextlib.contextmanager
 def count_outcome(counter: Counter) -> Iterator[None]:
     """Count the enclosed call once in `counter`, labelled by its status code name: OK, the
-    raised `ServiceError`'s code (any exception with a `code.name`), else INTERNAL."""
+    raised `ServiceError`'s code (a status name), else INTERNAL."""
     code = "OK"
     try:
         yield
     except BaseException as exc:
-        code = getattr(getattr(exc, "code", None), "name", "INTERNAL")
+        code = getattr(exc, "code", None)
+        code = code if isinstance(code, str) else getattr(code, "name", "INTERNAL")
         raise
     finally:
         counter.labels(code).inc()

@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.common import tracing
+from pdserve.common.errors import ServiceError
 
 log = logging.getLogger("pdserve.server")
 
@@ -48,48 +49,6 @@ SERVER_OPTIONS = (
 )
 
 
-# --- errors -------------------------------------------------------------------------------
-
-class ServiceError(Exception):
-    """A failure with a gRPC status code. Raise a subclass; `serve` maps it to the status."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
-
-
-class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Aborted(ServiceError):
-    code = grpc.StatusCode.ABORTED
-
-
 class ServerStartError(RuntimeError):
     """The server could not start (for example: its port is in use)."""
 
@@ -99,7 +58,7 @@ def _guard_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(request, context)
         except ServiceError as exc:
-            context.abort(exc.code, exc.message)
+            context.abort(grpc.StatusCode[exc.code], exc.message)
     return functools.wraps(fn)(unary)
 
 
@@ -108,7 +67,7 @@ def _guard_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             yield from fn(request, context)
         except ServiceError as exc:
-            context.abort(exc.code, exc.message)
+            context.abort(grpc.StatusCode[exc.code], exc.message)
     return functools.wraps(fn)(stream)
 
 

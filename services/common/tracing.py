@@ -220,6 +220,8 @@ def status_code(error: BaseException) -> grpc.StatusCode | None:
             code = code()
         except Exception:
             code = None
+    if isinstance(code, str):  # a domain error (pdserve.common.errors): the status name
+        return getattr(grpc.StatusCode, code, None)
     return code if isinstance(code, grpc.StatusCode) else None
 
 

@@ -18,14 +18,14 @@ import time
 from collections.abc import Iterator
 
 import grpc
-from pdserve.common.kvclient import AgentClient, fingerprint_pb
-from pdserve.common.metrics import WorkerMetrics
-from pdserve.common.server import (
+from pdserve.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
+from pdserve.common.kvclient import AgentClient, fingerprint_pb
+from pdserve.common.metrics import WorkerMetrics
 from pdserve.engine.loop import EngineLoop, SequenceAborted
 from pdserve.engine.pool import OutOfPages
 from pdserve.engine.sampling import SamplingParams

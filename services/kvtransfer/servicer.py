@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
-from pdserve.common import server as svc
+from pdserve.common import errors as svc
 from pdserve.common import tracing
 from pdserve.kvtransfer import errors
 from pdserve.kvtransfer.agent import Agent, Destination

@@ -15,15 +15,15 @@ import threading
 import time
 
 import grpc
-from pdserve.common.kvclient import AgentClient, fingerprint_pb
-from pdserve.common.metrics import WorkerMetrics, count_outcome
-from pdserve.common.server import (
+from pdserve.common.errors import (
     Aborted,
     DeadlineExceeded,
     InvalidArgument,
     ServiceError,
     Unavailable,
 )
+from pdserve.common.kvclient import AgentClient, fingerprint_pb
+from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.engine.loop import EngineLoop, SequenceAborted
 from pdserve.engine.sampling import SamplingParams
 from pdserve.v1 import common_pb2
@@ -116,7 +116,7 @@ class PrefillWorker:
         except grpc.FutureCancelledError:
             raise Aborted(f"{request_id} was cancelled during its KV handoff") from None
         except grpc.RpcError as exc:
-            raise ServiceError(f"KV handoff of {request_id} failed: {exc.details()}", exc.code()) from None
+            raise ServiceError(f"KV handoff of {request_id} failed: {exc.details()}", exc.code().name) from None
         finally:
             with self._lock:
                 self._sends.pop(request_id, None)

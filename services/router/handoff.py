@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 from pdserve.common import tracing
-from pdserve.common.server import ResourceExhausted, ServiceError, Unavailable
+from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.placement import rank_decode, rank_prefill
 from pdserve.router.pool import WorkerPool
@@ -239,4 +239,4 @@ class HandoffRunner:
                 raise _Retry(f"{where}: {code.name} {details}",
                              prefill=address if role == "prefill" else None, decode=decode,
                              code=code)
-            raise ServiceError(f"{where}: {details}", code=code)
+            raise ServiceError(f"{where}: {details}", code=code.name)

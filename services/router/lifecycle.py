@@ -33,9 +33,9 @@ from typing import Any
 
 import grpc
 from pdserve.common import tracing
+from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
-from pdserve.common.server import Aborted, ServiceError, Unavailable
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.detokenizer import OutputText
 from pdserve.router.handoff import Handoff, HandoffRunner, Reservation
@@ -153,7 +153,7 @@ class Lifecycle:
             if isinstance(exc, GeneratorExit):
                 raise
         except ServiceError as exc:
-            fields.update(status=exc.code.name, error=exc.message)
+            fields.update(status=exc.code, error=exc.message)
             tracing.record_error(span, exc)
             raise
         except Exception as exc:
@@ -213,7 +213,7 @@ class Lifecycle:
                         raise ServiceError(
                             f"decode {reservation.address} failed after {completion.tokens} "
                             f"tokens were streamed: {exc.code().name} {exc.details()}",
-                            code=exc.code()) from None
+                            code=exc.code().name) from None
                     finally:
                         call.cancel()  # no-op once the stream has ended
                         call_span.set_attributes({

@@ -10,7 +10,7 @@ import math
 import uuid
 from dataclasses import dataclass, replace
 
-from pdserve.common.server import InvalidArgument
+from pdserve.common.errors import InvalidArgument
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, router_pb2
 

@@ -7,7 +7,7 @@ import urllib.request
 
 import grpc
 import pytest
-from pdserve.common import server
+from pdserve.common import errors as common_errors
 from pdserve.common.metrics import (
     AgentMetrics,
     RouterMetrics,
@@ -99,7 +99,7 @@ def test_count_outcome_labels_by_status_code():
     metrics = WorkerMetrics("prefill", lambda: STATS)
     with count_outcome(metrics.prefills):
         pass
-    for exc in (server.InvalidArgument("bad"), ValueError("boom")):
+    for exc in (common_errors.InvalidArgument("bad"), ValueError("boom")):
         with pytest.raises(type(exc)), count_outcome(metrics.prefills):
             raise exc
     found = exposition(metrics.registry)

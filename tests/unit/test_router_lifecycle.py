@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from pdserve.common import server
+from pdserve.common import errors, server
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
@@ -89,7 +89,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     def Reserve(self, request, context):
         self.script.reserves.append(self.name)
         if self.script.exhausted:
-            raise server.ResourceExhausted(f"{self.name} has no free pages")
+            raise errors.ResourceExhausted(f"{self.name} has no free pages")
         ticket = common_pb2.Ticket(request_id=request.request_id, epoch=len(self.script.reserves),
                                    decode_worker=self.name)
         pages = list(range(-(-request.num_prompt_tokens // 16)))
@@ -107,7 +107,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         rest = self.script.tokens[1:]
         for i, token in enumerate(rest):
             if self.script.decode_fail_after == i:
-                raise server.Unavailable(f"{self.name} died")
+                raise errors.Unavailable(f"{self.name} died")
             if self.script.block_decode_after == i:
                 while context.is_active():
                     time.sleep(0.02)

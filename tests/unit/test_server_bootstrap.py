@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from pdserve.common import config, logs, server
+from pdserve.common import config, errors, logs, server
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
 from tests.support import ServiceProcess, free_port, wait_serving
@@ -37,18 +37,18 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
 
     def Generate(self, request, context):
         if request.prompt == "bad":
-            raise server.InvalidArgument("prompt: 'bad' is not allowed")
+            raise errors.InvalidArgument("prompt: 'bad' is not allowed")
         self.entered.set()
         yield router_pb2.GenerateResponse(request_id="r1")
         self.release.wait(10)
         if request.prompt == "late-error":
-            raise server.Unavailable("worker went away")
+            raise errors.Unavailable("worker went away")
         yield router_pb2.GenerateResponse(request_id="r1")
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
     def Reserve(self, request, context):
-        raise server.ResourceExhausted(f"no room for {request.num_prompt_tokens} tokens")
+        raise errors.ResourceExhausted(f"no room for {request.num_prompt_tokens} tokens")
 
 
 def register(router: FakeRouter):
@@ -151,12 +151,12 @@ class AbortingContext:
 def test_map_errors_decorator_for_unary_and_stream_handlers():
     @server.map_errors
     def unary(request, context):
-        raise server.NotFound(f"no ticket {request}")
+        raise errors.NotFound(f"no ticket {request}")
 
     @server.map_errors
     def stream(request, context):
         yield 1
-        raise server.FailedPrecondition("layout mismatch")
+        raise errors.FailedPrecondition("layout mismatch")
 
     with pytest.raises(RuntimeError, match="NOT_FOUND: no ticket t1"):
         unary("t1", AbortingContext())
@@ -164,7 +164,7 @@ def test_map_errors_decorator_for_unary_and_stream_handlers():
     assert next(items) == 1
     with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: layout mismatch"):
         next(items)
-    assert server.ServiceError("x", code=grpc.StatusCode.ABORTED).code == grpc.StatusCode.ABORTED
+    assert errors.ServiceError("x", code="ABORTED").code == "ABORTED"
 
 
 def test_busy_port_fails_with_clear_message():

@@ -12,7 +12,7 @@ import textwrap
 import grpc
 import pytest
 from pdserve.common import tracing
-from pdserve.common.server import NotFound, Unavailable
+from pdserve.common.errors import NotFound, Unavailable
 from pdserve.kvtransfer.pool import Fingerprint
 from pdserve.kvtransfer.tickets import TicketKey
 from pdserve.kvtransfer.wire import WriteHeader
