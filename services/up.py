@@ -225,19 +225,16 @@ def _banner(router: str, procs: list[Proc]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(UpConfig, "up", argv, prog="pdserve up", description=__doc__)
-    from pdserve.engine import builtin
+    from pdserve.common.models import resolve_model_name
+    from pdserve.engine.setup import model_dir as ensure_model_dir
 
-    size = builtin.size_from_model_name(cfg.model) or (cfg.model if cfg.model in builtin.SIZES else None)
-    if size:
-        model_dir = builtin.ensure(size, progress=lambda m: print(m, flush=True))
-        model_name = builtin.model_name(size)
-    else:
-        model_dir = Path(cfg.model).expanduser().resolve()
-        if not (model_dir / "config.json").is_file():
-            print(f"pdserve up: --model {cfg.model}: not a built-in size ({', '.join(builtin.SIZES)}) "
-                  "nor a Hugging Face directory with config.json", file=sys.stderr)
-            return 2
-        model_name = model_dir.name
+    try:
+        ref = resolve_model_name(cfg.model)
+    except FileNotFoundError as exc:
+        print(f"pdserve up: --model: {exc}", file=sys.stderr)
+        return 2
+    model_dir = ensure_model_dir(ref, progress=lambda m: print(m, flush=True))
+    model_name = ref.name
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(plan(cfg, model_dir, model_name), log_dir, cfg.trace_env())
@@ -255,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve import client
 
             note = (" (the built-in model has random weights: the text is noise, the path and "
-                    "the timings are real)" if size else "")
+                    "the timings are real)" if ref.builtin_size else "")
             print(f"\ndemo: {cfg.demo_prompt!r}{note}\n", flush=True)
             status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
                                   "--ignore-eos", cfg.demo_prompt])

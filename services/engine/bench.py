@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import load_model, resolve_dtype
-from pdserve.engine.pool import pages_for_tokens
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -102,15 +102,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests timed for the transformers batch-1 baseline (scaled)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    from pdserve.engine import builtin
+    from pdserve.common.models import resolve_model_name
+    from pdserve.engine.setup import model_dir as ensure_model_dir
     from transformers import AutoModelForCausalLM
 
-    size = args.model if args.model in builtin.SIZES else None
-    model_dir = builtin.ensure(size, progress=lambda m: print(m, file=sys.stderr)) if size \
-        else Path(args.model)
+    ref = resolve_model_name(args.model)
+    model_dir = ensure_model_dir(ref)
     dtype = resolve_dtype(args.dtype, "cpu")
     torch.manual_seed(0)
-    model = load_model(model_dir, dtype=dtype, model_id=builtin.model_name(size) if size else None)
+    model = load_model(model_dir, dtype=dtype, model_id=ref.name if ref.builtin_size else None)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype).eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"model {model.model_id} ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params), "

@@ -28,9 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.common import models
+from pdserve.common.models import BUILTIN_PREFIX, BUILTIN_SIZES
+
 FORMAT_VERSION = 1
-SIZES = ("tiny", "small")
-MODEL_PREFIX = "builtin-"
+SIZES = BUILTIN_SIZES
 SEED = 20240607
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2 in this order
@@ -80,19 +82,7 @@ SHAPES = {
 
 def model_name(size: str) -> str:
     """The served model name of a built-in size: `builtin-tiny`."""
-    return MODEL_PREFIX + _check_size(size)
-
-
-def size_from_model_name(name: str) -> str | None:
-    """The size named by `builtin-<size>`, or None when `name` is not a built-in model."""
-    size = name.removeprefix(MODEL_PREFIX)
-    return size if name.startswith(MODEL_PREFIX) and size in SIZES else None
-
-
-def default_cache_dir() -> Path:
-    """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "pdserve"
+    return BUILTIN_PREFIX + _check_size(size)
 
 
 def ensure(size: str = "tiny", *, cache_dir: Path | None = None, progress: Progress | None = None) -> Path:
@@ -101,7 +91,7 @@ def ensure(size: str = "tiny", *, cache_dir: Path | None = None, progress: Progr
     Safe when several processes call it at once: one builds under an exclusive file lock while
     the others wait, and the directory appears only complete (built aside, then renamed).
     """
-    models_dir = Path(cache_dir or default_cache_dir()) / "models"
+    models_dir = Path(cache_dir or models.cache_dir()) / "models"
     target = models_dir / f"{model_name(size)}-v{FORMAT_VERSION}"
     if _is_complete(target):
         return target

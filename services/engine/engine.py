@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import Hashable, Iterable
 
 import torch
+from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.model import Batch, PagedCausalLM
-from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator, pages_for_tokens
+from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
 
@@ -58,7 +59,6 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
-        self.reservations: set[Hashable] = set()  # owners of pages reserved for a handoff
         self.stalled = False  # the last step found work but could run none of it
 
     # ---- admission -------------------------------------------------------------------
@@ -98,31 +98,41 @@ class Engine:
         return seq
 
     def reserve(self, owner: Hashable, num_prompt_tokens: int) -> list[int]:
-        """Decode role: pages for a prompt's KV before it is prefilled elsewhere.
+        """Decode role: pages for a prompt's KV before it is prefilled elsewhere, held under
+        `owner` (a reservation key, never a sequence id) until `adopt`ed or freed.
 
         OutOfPages when the pages are not free, or when `max_num_seqs` sequences are already
         running, waiting or reserved.
         """
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
-        live = len(self.running) + len(self.waiting) + len(self.reservations)
+        live = len(self.running) + len(self.waiting) + self.num_reserved
         if live >= self.config.max_num_seqs:
             raise OutOfPages(f"{live} sequences running or reserved (max_num_seqs "
                              f"{self.config.max_num_seqs})")
-        pages = self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens,
-                                                                self.config.block_size))
-        self.reservations.add(owner)
-        return pages
+        return self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens,
+                                                               self.config.block_size))
 
-    def release(self, owner: Hashable) -> int:
-        """Free a reservation's (or a prefilled sequence's) pages; returns how many."""
-        seq = self.seqs.get(owner) if isinstance(owner, str) else None
-        if seq is not None and seq.status is Status.PREFILLED:
-            num_pages = len(self.allocator.pages_of(owner))
-            self._finish(seq, seq.finish_reason or "handoff")
-            return num_pages
-        self.reservations.discard(owner)
+    @property
+    def num_reserved(self) -> int:
+        """Reservations holding pages that no sequence owns yet."""
+        return sum(1 for owner in self.allocator.owners() if owner not in self.seqs)
+
+    def free_reservation(self, owner: Hashable) -> int:
+        """Return the pages of a reservation that no sequence adopted; returns how many."""
+        if owner in self.seqs:
+            raise ValueError(f"{owner!r} is a sequence, not a reservation")
         return self.allocator.free(owner)
+
+    def release_prefilled(self, seq_id: str) -> int:
+        """Prefill role: free a prefilled sequence's pages once they were handed off (or the
+        handoff was given up); returns how many (0 when it is not here any more)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status is not Status.PREFILLED:
+            return 0
+        num_pages = self.allocator.num_pages_of(seq_id)
+        self._finish(seq, seq.finish_reason or "handoff")
+        return num_pages
 
     def add_prefilled(self, seq_id: str, reservation: Hashable, prompt_ids: list[int],
                       first_token: int, params: SamplingParams) -> str | None:
@@ -152,7 +162,6 @@ class Engine:
         if held != expected:
             raise ValueError(f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}")
         self.allocator.transfer(reservation, seq_id)
-        self.reservations.discard(reservation)
 
     def abort(self, seq_id: str) -> bool:
         seq = self.seqs.get(seq_id)

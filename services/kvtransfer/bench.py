@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.common.layout import DTYPE_BYTES
+from pdserve.common.layout import DTYPE_BYTES, pages_for_tokens
 from pdserve.common.shm import SharedSegment
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         num_kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, tp_size=1)
     page_bytes = (args.layers * 2 * args.block_size * args.kv_heads * args.head_dim
                   * DTYPE_BYTES[args.dtype])
-    max_pages = max(-(-n // args.block_size) for n in args.prompts)
+    max_pages = max(pages_for_tokens(n, args.block_size) for n in args.prompts)
     rng = np.random.default_rng(0)
     results: list[Row] = []
     with ExitStack() as stack:
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         stack.callback(raw.close)
         ticket_no = 0
         for tokens in args.prompts:
-            n = -(-tokens // args.block_size)
+            n = pages_for_tokens(tokens, args.block_size)
             pages = list(range(n))
             dst_pages = list(rng.permutation(max_pages)[:n]) if args.fragmented else pages
             dst_pages = [int(p) for p in dst_pages]

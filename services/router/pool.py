@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.router.placement import DecodeLoad, PrefillLoad
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.router.pool")
 
@@ -52,7 +52,7 @@ class Worker:
     stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
-    stats: decode_pb2.WorkerStats | None = None
+    stats: common_pb2.WorkerStats | None = None
     inflight_prompt_tokens: int = 0
     last_error: str = field(default="", repr=False)
 
@@ -105,7 +105,7 @@ class WorkerPool:
         workers = list(self._workers.values())
         checks = [w.health.Check.future(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
                   for w in workers]
-        stats = [w.stub.Stats.future(decode_pb2.StatsRequest(), timeout=self.timeout_s)
+        stats = [w.stub.Stats.future(common_pb2.StatsRequest(), timeout=self.timeout_s)
                  for w in workers]
         for worker, check, stat in zip(workers, checks, stats):
             try:
@@ -113,7 +113,7 @@ class WorkerPool:
             except grpc.RpcError as exc:
                 healthy, error = False, f"{exc.code().name}: {exc.details()}"
             try:
-                fresh: decode_pb2.WorkerStats | None = stat.result()
+                fresh: common_pb2.WorkerStats | None = stat.result()
             except grpc.RpcError:
                 fresh = None
             with self._lock:
@@ -183,7 +183,7 @@ class WorkerPool:
         with self._lock:
             worker = self._workers[("decode", address)]
             if worker.stats is not None:
-                stats = decode_pb2.WorkerStats()
+                stats = common_pb2.WorkerStats()
                 stats.CopyFrom(worker.stats)
                 stats.free_pages = max(0, stats.free_pages - num_pages)
                 stats.reserved_tickets += 1

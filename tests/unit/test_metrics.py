@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import urllib.request
 
 import grpc
 import pytest
 from pdserve.common import errors as common_errors
+from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.metrics import (
     AgentMetrics,
     RouterMetrics,
@@ -16,6 +18,7 @@ from pdserve.common.metrics import (
     serve_metrics,
 )
 from pdserve.kvtransfer import errors
+from pdserve.worker.types import WorkerStats
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,8 +26,10 @@ from tests.unit.test_router_lifecycle import run, stack, tok  # noqa: F401 (fixt
 
 pytestmark = pytest.mark.unit
 
-STATS = dict(worker_id="w", role="decode", num_pages=10, free_pages=7, running_sequences=2,
-             waiting_sequences=1, reserved_tickets=1, queued_prompt_tokens=33)
+FINGERPRINT = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 16)
+STATS = WorkerStats(worker_id="w", role="decode", num_pages=10, free_pages=7,
+                    running_sequences=2, waiting_sequences=1, reserved_tickets=1,
+                    queued_prompt_tokens=33, fingerprint=FINGERPRINT)
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -63,14 +68,14 @@ def test_every_metric_is_prefixed_and_carries_its_unit():
 
 
 def test_worker_gauges_are_read_from_stats_when_scraped():
-    stats = dict(STATS)
+    stats = STATS
     registry = WorkerMetrics("decode", lambda: stats).registry
     found = exposition(registry)
     assert value(found, "pdserve_kv_pages_free", role="decode") == 7
     assert value(found, "pdserve_kv_pages_used", role="decode") == 3
     assert value(found, "pdserve_kv_pages_capacity", role="decode") == 10
     assert value(found, "pdserve_queued_prompt_tokens", role="decode") == 33
-    stats["free_pages"] = 10
+    stats = dataclasses.replace(STATS, free_pages=10)
     assert value(exposition(registry), "pdserve_kv_pages_used", role="decode") == 0
 
 

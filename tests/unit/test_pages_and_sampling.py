@@ -94,7 +94,7 @@ def test_free_pages_return_after_finished_and_aborted_sequences(tiny):
         assert len(reserved) == 3
         out = _run(engine, out=early)
         assert set(out) >= {"s0", "s2", "s3", "s5"} and all(len(out[f"s{i}"]) == 12 for i in (0, 2, 3, 5))
-        assert engine.release("ticket") == 3 and engine.release("ticket") == 0
+        assert engine.free_reservation("ticket") == 3 and engine.free_reservation("ticket") == 0
         assert engine.allocator.num_free == 64
     finally:
         engine.close()

@@ -79,7 +79,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
                                            prefill_ms=3.0, transfer=report, worker_id=self.name)
 
     def Stats(self, request, context):
-        return decode_pb2.WorkerStats(worker_id=self.name, role="prefill")
+        return common_pb2.WorkerStats(worker_id=self.name, role="prefill")
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
@@ -126,7 +126,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.AbortResponse(found=True)
 
     def Stats(self, request, context):
-        return decode_pb2.WorkerStats(worker_id=self.name, role="decode", num_pages=100,
+        return common_pb2.WorkerStats(worker_id=self.name, role="decode", num_pages=100,
                                       free_pages=100)
 
 

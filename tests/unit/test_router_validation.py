@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from pdserve.common.errors import InvalidArgument
+from pdserve.common.layout import pages_for_tokens
 from pdserve.router.placement import (
     DecodeLoad,
     PrefillLoad,
-    pages_needed,
     rank_decode,
     rank_prefill,
 )
@@ -83,8 +83,8 @@ def test_parse_addresses():
     assert parse_addresses(["a:1,b:2", "c:3"]) == ("a:1", "b:2", "c:3")
 
 
-def test_pages_needed():
-    assert [pages_needed(n, 16) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+def test_pages_for_tokens():
+    assert [pages_for_tokens(n, 16) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
 
 
 def test_prefill_least_pending_tokens_healthy_only():

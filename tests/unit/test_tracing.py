@@ -13,8 +13,8 @@ import grpc
 import pytest
 from pdserve.common import tracing
 from pdserve.common.errors import NotFound, Unavailable
-from pdserve.kvtransfer.pool import Fingerprint
-from pdserve.kvtransfer.tickets import TicketKey
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.wire import WriteHeader
 from pdserve.router.cancel import ClientCancelled
 
@@ -114,7 +114,7 @@ def test_status_codes_of_errors():
 
 
 def _header(**kw) -> WriteHeader:
-    fp = Fingerprint("m", "r", "float32", 2, 2, 16, 16, 0, 1)
+    fp = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 16, 0, 1)
     return WriteHeader(xfer_id=7, ticket=TicketKey("req", 3), dst_agent_epoch=9, dst_pool_id="p",
                        fingerprint=fp, page_bytes=4096, dst_runs=((0, 2), (5, 1)),
                        timeout_ms=1000.0, **kw)

@@ -1,26 +1,46 @@
-"""Start-up shared by the prefill and decode workers: engine, agent registration, server."""
+"""Start-up shared by the prefill, decode and co-located workers: engine, pool registration,
+server, drain. The role supplies how to build its worker and which servicers to serve."""
 
 from __future__ import annotations
 
 import logging
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeVar
 
+import grpc
 from pdserve.common.config import parse_config
-from pdserve.common.kvclient import AgentClient
 from pdserve.common.logs import setup_logging
-from pdserve.common.metrics import serve_metrics
+from pdserve.common.metrics import WorkerMetrics, serve_metrics
 from pdserve.common.server import start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
-from pdserve.common.workerconfig import WorkerConfig
+from pdserve.engine.loop import EngineLoop
+from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.config import WorkerConfig
 
 log = logging.getLogger("pdserve.worker")
 
 
-def run_worker(role: str, config_cls: type[WorkerConfig], argv: list[str] | None,
-               make_worker: Callable[[Any, Any, AgentClient | None, str], Any],
-               register: Callable[[Any], Callable[[Any], None]], description: str) -> int:
+class Worker(Protocol):
+    """What start-up needs of a worker: its metrics, registration of its pool (with the
+    host's agent, where it has one), the drain switch, and stop."""
+
+    metrics: WorkerMetrics
+    admitting: bool
+    pool_id: str
+
+    def register(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+C = TypeVar("C", bound=WorkerConfig)
+W = TypeVar("W", bound=Worker)
+
+
+def run_worker(role: str, config_cls: type[C], argv: list[str] | None,
+               make_worker: Callable[[C, EngineLoop, str], W],
+               servicers: Callable[[W], Callable[[grpc.Server], None]], description: str) -> int:
     """Parse config, build the engine, register the pool with the agent, serve until SIGTERM."""
 
     cfg = parse_config(config_cls, role, argv, prog=f"pdserve {role}", description=description)
@@ -30,7 +50,7 @@ def run_worker(role: str, config_cls: type[WorkerConfig], argv: list[str] | None
     # `finally` below, so the pool's shared memory is released even during start-up.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _run(role, cfg, make_worker, register)
+        return _run(role, cfg, make_worker, servicers)
     except KeyboardInterrupt:
         log.info("%s: stopped during start-up", role)
         return 0
@@ -47,28 +67,25 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _run(role: str, cfg: WorkerConfig, make_worker: Callable[[Any, Any, AgentClient | None, str], Any],
-         register: Callable[[Any], Callable[[Any], None]]) -> int:
-    from pdserve.engine.loop import EngineLoop
+def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
+         servicers: Callable[[W], Callable[[grpc.Server], None]]) -> int:
     from pdserve.engine.setup import build_engine
 
     worker_id = worker_name(role, cfg)
     engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
                                      block_size=cfg.block_size, num_pages=cfg.num_pages,
                                      kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
-                                     max_num_seqs=cfg.max_num_seqs)
+                                     max_num_seqs=cfg.max_num_seqs,
+                                     max_prefill_tokens=cfg.max_prefill_tokens)
     log.info("%s: model %s from %s, %d pages of %d bytes (%s)", worker_id, engine.model.model_id,
              model_dir, engine.config.num_pages, engine.pool.page_bytes, engine.pool.shm_name)
-    agent = AgentClient(cfg.kv_agent) if role != "colocated" else None  # co-located: no handoff
     loop = EngineLoop(engine).start()
-    worker = make_worker(cfg, loop, agent, worker_id)
+    worker = make_worker(cfg, loop, worker_id)
     ready = [False]
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
-        handle = start(role, cfg.port, register(worker), host=cfg.host, ready=lambda: ready[0],
+        handle = start(role, cfg.port, servicers(worker), host=cfg.host, ready=lambda: ready[0],
                        grace_s=cfg.grace_s, on_drain=worker_drain(worker))
-        if agent is not None:
-            agent.wait_ready(timeout_s=60)
         worker.register()
         ready[0] = True
         log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
@@ -79,11 +96,20 @@ def _run(role: str, cfg: WorkerConfig, make_worker: Callable[[Any, Any, AgentCli
         worker.stop()
         loop.stop()
         engine.close()
-        if agent is not None:
-            agent.close()
 
 
-def worker_drain(worker: Any) -> Callable[[], None]:
+def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
+    """The client of this host's kvtransfer agent (`--kv-agent`), once it answers."""
+    agent = AgentClient(cfg.kv_agent)
+    try:
+        agent.wait_ready(timeout_s=wait_s)
+    except BaseException:
+        agent.close()
+        raise
+    return agent
+
+
+def worker_drain(worker: Worker) -> Callable[[], None]:
     def drain() -> None:
         worker.admitting = False
     return drain
