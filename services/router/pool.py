@@ -31,17 +31,6 @@ CHANNEL_OPTIONS = (
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def parse_addresses(text: str | Sequence[str]) -> tuple[str, ...]:
-    """`"a:1, b:2"` (or a list of such strings) -> `("a:1", "b:2")`, duplicates dropped."""
-    parts = [text] if isinstance(text, str) else list(text)
-    out: list[str] = []
-    for part in parts:
-        for address in (a.strip() for a in part.split(",")):
-            if address and address not in out:
-                out.append(address)
-    return tuple(out)
-
-
 @dataclass
 class Worker:
     """One worker: its channel and stubs, and the router's latest knowledge of it."""

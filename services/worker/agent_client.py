@@ -4,12 +4,11 @@ a deadline. For a decode worker it is also the `WriteWindow` of its lease book."
 from __future__ import annotations
 
 import grpc
-from pdserve.common import tracing
+from pdserve.common import tracing, wire
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
-from pdserve.worker import convert
 from pdserve.worker.leases import WindowClosed
 
 
@@ -34,7 +33,7 @@ class AgentClient:
         """Have the agent map this pool; returns (pool id, agent epoch)."""
         reply = self.stub.RegisterPool(kvtransfer_pb2.RegisterPoolRequest(
             worker_id=worker_id, shm_name=shm_name, num_pages=num_pages, page_bytes=page_bytes,
-            fingerprint=convert.fingerprint_to_pb(fingerprint)), timeout=self.timeout_s,
+            fingerprint=wire.fingerprint_to_pb(fingerprint)), timeout=self.timeout_s,
             wait_for_ready=True)
         return reply.pool_id, reply.agent_epoch
 
@@ -43,14 +42,14 @@ class AgentClient:
         """Start shipping pages; the future (cancellable) resolves to a SendPagesResponse
         (see `report_of`). The agent's kv.send span continues the current trace."""
         return self.stub.SendPages.future(kvtransfer_pb2.SendPagesRequest(
-            ticket=convert.ticket_to_pb(ticket), src_pool_id=src_pool_id,
-            src_page_ids=src_page_ids, destination=convert.destination_to_pb(destination),
+            ticket=wire.ticket_to_pb(ticket), src_pool_id=src_pool_id,
+            src_page_ids=src_page_ids, destination=wire.destination_to_pb(destination),
             timeout_ms=timeout_s * 1e3), timeout=timeout_s + 1.0,
             metadata=tracing.outgoing_metadata())
 
     @staticmethod
     def report_of(reply: kvtransfer_pb2.SendPagesResponse) -> TransferReport:
-        return convert.report_from_pb(reply.report)
+        return wire.report_from_pb(reply.report)
 
     def close(self) -> None:
         self._channel.close()
@@ -65,7 +64,7 @@ class AgentWindow:
 
     def open(self, key: TicketKey, page_ids: list[int], lease_s: float) -> None:
         self._agent.stub.ExpectTransfer(kvtransfer_pb2.ExpectTransferRequest(
-            ticket=convert.ticket_to_pb(key), pool_id=self.pool_id, page_ids=page_ids,
+            ticket=wire.ticket_to_pb(key), pool_id=self.pool_id, page_ids=page_ids,
             lease_ms=lease_s * 1e3), timeout=self._agent.timeout_s)
 
     def close(self, key: TicketKey) -> WindowClosed:
@@ -75,7 +74,7 @@ class AgentWindow:
             # The agent may wait for an in-flight write to stop before it answers (its
             # --cancel-wait-s); give it longer than that, so "timed out" means it could not.
             reply = self._agent.stub.CancelTransfer(kvtransfer_pb2.CancelTransferRequest(
-                ticket=convert.ticket_to_pb(key)), timeout=2 * self._agent.timeout_s)
+                ticket=wire.ticket_to_pb(key)), timeout=2 * self._agent.timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 return WindowClosed(confirmed=True, landed=False)

@@ -12,13 +12,14 @@ per phase, never per token.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 from typing import Protocol
 
 import grpc
-from pdserve.common import tracing
+from pdserve.common import tracing, wire
 from pdserve.common.tickets import TicketKey
 from pdserve.v1 import (
     common_pb2,
@@ -27,7 +28,6 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdserve.worker import convert
 from pdserve.worker.types import (
     DecodeEvent,
     DecodeRequest,
@@ -78,9 +78,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         context.add_callback(on_done)
         domain = PrefillRequest(rid, list(request.token_ids),
-                                convert.sampling_from_pb(request.sampling),
-                                convert.ticket_from_pb(request.ticket),
-                                convert.destination_from_pb(request.destination))
+                                wire.sampling_from_pb(request.sampling),
+                                wire.ticket_from_pb(request.ticket),
+                                wire.destination_from_pb(request.destination))
         with tracing.span("prefill.request", kind=tracing.SERVER, request_id=rid,
                           worker_id=self.worker.worker_id, prompt_tokens=len(domain.token_ids),
                           model=self.worker.model_id) as span:
@@ -97,12 +97,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  "kv_pages": t.kv_pages, "kv_transport": t.transport})
         return prefill_pb2.PrefillResponse(first_token=result.first_token,
                                            queue_ms=result.queue_ms, prefill_ms=result.prefill_ms,
-                                           transfer=convert.report_to_pb(result.transfer),
+                                           transfer=wire.report_to_pb(result.transfer),
                                            worker_id=self.worker.worker_id)
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return convert.stats_to_pb(self.worker.stats())
+        return _stats_to_pb(self.worker.stats())
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -120,14 +120,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not context.is_active():  # the caller gave up (cancelled, timed out): nobody will use them
             self.worker.abort(reservation.ticket)
         return decode_pb2.ReserveResponse(
-            ticket=convert.ticket_to_pb(reservation.ticket, self.worker.worker_id),
-            destination=convert.destination_to_pb(reservation.destination))
+            ticket=wire.ticket_to_pb(reservation.ticket, self.worker.worker_id),
+            destination=wire.destination_to_pb(reservation.destination))
 
     def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[decode_pb2.DecodeResponse]:
-        domain = DecodeRequest(convert.ticket_from_pb(request.ticket),
+        domain = DecodeRequest(wire.ticket_from_pb(request.ticket),
                                list(request.prompt_token_ids), request.first_token,
-                               convert.sampling_from_pb(request.sampling))
+                               wire.sampling_from_pb(request.sampling))
         attrs = {"request_id": request.ticket.request_id, "worker_id": self.worker.worker_id,
                  "model": self.worker.model_id}
         spans = [tracing.start_span("decode.admission", kind=tracing.SERVER, **attrs)]
@@ -153,8 +153,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Abort(self, request: decode_pb2.AbortRequest, context: grpc.ServicerContext
               ) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(found=self.worker.abort(
-            convert.ticket_from_pb(request.ticket)))
+            wire.ticket_from_pb(request.ticket)))
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return convert.stats_to_pb(self.worker.stats())
+        return _stats_to_pb(self.worker.stats())
+
+
+def _stats_to_pb(stats: WorkerStats) -> common_pb2.WorkerStats:
+    fields = dataclasses.asdict(stats)
+    fields["fingerprint"] = wire.fingerprint_to_pb(stats.fingerprint)
+    return common_pb2.WorkerStats(**fields)

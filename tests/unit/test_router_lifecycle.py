@@ -245,7 +245,8 @@ def test_retry_before_first_token_on_another_prefill(stack):
     assert out[1].timing.attempts == 2
     assert len(set(script.prefills)) == 2          # the retry went to the other worker
     assert len(script.reserves) == 2                # the first reservation was released
-    assert [reason for _, reason in script.aborts][0] == "prefill failed; retrying"
+    reason = [reason for _, reason in script.aborts][0]
+    assert reason.startswith("attempt 1 failed (prefill ") and reason.endswith("; retrying")
     assert out[-1].finish.completion_tokens == 4
     assert script.decodes[0].ticket.request_id == out[0].request_id + "#2"  # one id per attempt
 

@@ -1,5 +1,6 @@
-"""Proto <-> plain types for the worker servicers and the agent client: the one place where
-the wire form of a ticket, destination, sampling or report is read or written."""
+"""Proto <-> plain types for the messages of common.proto: the one place where the wire form
+of sampling parameters, a ticket, a layout, a destination or a transfer report is read or
+written (router, worker servicers, agent client)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.tickets import TicketKey
 from pdserve.v1 import common_pb2
-from pdserve.worker.types import WorkerStats
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -77,9 +77,3 @@ def report_to_pb(report: TransferReport) -> common_pb2.TransferReport:
 
 def report_from_pb(pb: common_pb2.TransferReport) -> TransferReport:
     return TransferReport(pb.handoff_ms, pb.kv_bytes, pb.kv_pages, pb.transport, pb.num_runs)
-
-
-def stats_to_pb(stats: WorkerStats) -> common_pb2.WorkerStats:
-    fields = dataclasses.asdict(stats)
-    fields["fingerprint"] = fingerprint_to_pb(stats.fingerprint)
-    return common_pb2.WorkerStats(**fields)
