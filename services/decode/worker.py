@@ -17,7 +17,7 @@ from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient, AgentWindow
+from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import token_events
@@ -50,7 +50,7 @@ class DecodeWorker:
         self.pool_id, self.agent_epoch = self.agent.register_pool(
             self.worker_id, pool.shm_name, pool.num_pages, pool.page_bytes, pool.fingerprint)
         self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop),
-                                AgentWindow(self.agent, self.pool_id),
+                                self.agent.window(self.pool_id),
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
         self.leases.start_reaper()

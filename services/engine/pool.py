@@ -3,8 +3,8 @@
 A page holds K and V of `block_size` consecutive tokens for all layers, contiguous:
 `[num_layers, 2, block_size, num_kv_heads, head_dim]`. The pool is one tensor of `num_pages`
 pages in memory the host's kvtransfer agent can map without a copy: a POSIX shared-memory
-segment on CPU, device memory exportable over CUDA IPC on GPU. Page i starts at byte
-`i * page_bytes` of the segment.
+segment on CPU, where page i starts at byte `i * page_bytes`. A GPU pool is plain device
+memory; the agents do not move GPU pools yet.
 """
 
 from __future__ import annotations
@@ -108,16 +108,6 @@ class KVPool:
     @property
     def shm_name(self) -> str:
         return self.segment.name if self.segment else ""
-
-    def cuda_ipc_handle(self) -> bytes:
-        """Serialized CUDA IPC handle of the pool's device memory (GPU pools only)."""
-        if self.device.type != "cuda":
-            raise ValueError("CUDA IPC handles exist for GPU pools only")
-        import pickle
-
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return pickle.dumps(reduce_tensor(self.tensor))
 
     def close(self) -> None:
         self.tensor = None  # type: ignore[assignment]

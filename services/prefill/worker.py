@@ -11,13 +11,12 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.agent_client import AgentClient, Send
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
 
@@ -36,7 +35,7 @@ class PrefillWorker:
         self.prefill_wait_s = prefill_wait_s
         self.pool_id = ""
         self.admitting = True
-        self._sends: dict[str, grpc.Future] = {}
+        self._sends: dict[str, Send] = {}
         self._lock = threading.Lock()
         self.metrics = WorkerMetrics(self.role, self.stats)
 
@@ -82,12 +81,11 @@ class PrefillWorker:
                                   self.transfer_timeout_s)
             self._sends[request_id] = fut
         try:
-            return self.agent.report_of(fut.result())
-        except grpc.FutureCancelledError:
+            return fut.result()
+        except Aborted:
             raise Aborted(f"{request_id} was cancelled during its KV handoff") from None
-        except grpc.RpcError as exc:
-            raise ServiceError(f"KV handoff of {request_id} failed: {exc.details()}",
-                               exc.code().name) from None
+        except ServiceError as exc:
+            raise ServiceError(f"{request_id}: {exc.message}", exc.code) from None
         finally:
             with self._lock:
                 self._sends.pop(request_id, None)

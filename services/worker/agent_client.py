@@ -1,10 +1,12 @@
 """The workers' side of the host's kvtransfer agent: plain types in and out, every call with
-a deadline. For a decode worker it is also the `WriteWindow` of its lease book."""
+a deadline, gRPC errors turned into domain errors. `AgentWindow` is a decode worker's lease
+book's `WriteWindow`."""
 
 from __future__ import annotations
 
 import grpc
 from pdserve.common import tracing, wire
+from pdserve.common.errors import Aborted, ServiceError
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
@@ -37,22 +39,42 @@ class AgentClient:
             wait_for_ready=True)
         return reply.pool_id, reply.agent_epoch
 
+    def window(self, pool_id: str) -> AgentWindow:
+        """The write windows of a registered pool (a decode worker's lease book uses them)."""
+        return AgentWindow(self, pool_id)
+
     def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
-             destination: Destination, timeout_s: float) -> grpc.Future:
-        """Start shipping pages; the future (cancellable) resolves to a SendPagesResponse
-        (see `report_of`). The agent's kv.send span continues the current trace."""
-        return self.stub.SendPages.future(kvtransfer_pb2.SendPagesRequest(
+             destination: Destination, timeout_s: float) -> Send:
+        """Start shipping pages; `result()` waits for the report, `cancel()` gives up. The
+        agent's kv.send span continues the current trace."""
+        return Send(self.stub.SendPages.future(kvtransfer_pb2.SendPagesRequest(
             ticket=wire.ticket_to_pb(ticket), src_pool_id=src_pool_id,
             src_page_ids=src_page_ids, destination=wire.destination_to_pb(destination),
             timeout_ms=timeout_s * 1e3), timeout=timeout_s + 1.0,
-            metadata=tracing.outgoing_metadata())
-
-    @staticmethod
-    def report_of(reply: kvtransfer_pb2.SendPagesResponse) -> TransferReport:
-        return wire.report_from_pb(reply.report)
+            metadata=tracing.outgoing_metadata()))
 
     def close(self) -> None:
         self._channel.close()
+
+
+class Send:
+    """A handoff in flight."""
+
+    def __init__(self, future: grpc.Future):
+        self._future = future
+
+    def result(self) -> TransferReport:
+        """The sending agent's report. Raises `Aborted` once cancelled, `ServiceError` with
+        the agent's status when the handoff failed."""
+        try:
+            return wire.report_from_pb(self._future.result().report)
+        except grpc.FutureCancelledError:
+            raise Aborted("the KV handoff was cancelled") from None
+        except grpc.RpcError as exc:
+            raise ServiceError(f"KV handoff failed: {exc.details()}", exc.code().name) from None
+
+    def cancel(self) -> None:
+        self._future.cancel()
 
 
 class AgentWindow:

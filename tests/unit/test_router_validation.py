@@ -16,7 +16,7 @@ from pdserve.router.placement import (
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import DEFAULT_MAX_TOKENS, validate
 
-from tests.unit.test_router_text import make_model_dir
+from tests.fakes import make_model_dir
 
 pytestmark = pytest.mark.unit
 
