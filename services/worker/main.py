@@ -12,6 +12,7 @@ import grpc
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import WorkerMetrics, serve_metrics
+from pdserve.common.security import ChannelSecurity, server_credentials
 from pdserve.common.server import start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.engine.loop import EngineLoop
@@ -85,7 +86,8 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
         handle = start(role, cfg.port, servicers(worker), host=cfg.host, ready=lambda: ready[0],
-                       grace_s=cfg.grace_s, on_drain=worker_drain(worker))
+                       grace_s=cfg.grace_s, on_drain=worker_drain(worker),
+                       credentials=server_credentials(cfg))
         worker.register()
         ready[0] = True
         log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
@@ -100,7 +102,7 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
 
 def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
     """The client of this host's kvtransfer agent (`--kv-agent`), once it answers."""
-    agent = AgentClient(cfg.kv_agent)
+    agent = AgentClient(cfg.kv_agent, security=ChannelSecurity.from_options(cfg))
     try:
         agent.wait_ready(timeout_s=wait_s)
     except BaseException:
