@@ -25,7 +25,9 @@ from pdserve.common.config import TlsOptions
 
 AUTH_HEADER = "authorization"
 BEARER = "bearer "
-HEALTH_PREFIX = "/grpc.health.v1.Health/"  # probes stay reachable without a key
+# Open without a key: health (probes) and reflection (the schema of an open-source API, so
+# `grpcurl list` and a keyless health check work); everything else needs one.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 def _read(path: str) -> bytes:
@@ -159,14 +161,14 @@ class ApiKeys:
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):
     """Refuses every call without a valid `authorization: Bearer <key>` header with
-    UNAUTHENTICATED, except grpc.health.v1 (probes)."""
+    UNAUTHENTICATED, except grpc.health.v1 (probes) and server reflection (OPEN_PREFIXES)."""
 
     def __init__(self, keys: ApiKeys):
         self._keys = keys
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith(HEALTH_PREFIX):
+        if details.method.startswith(OPEN_PREFIXES):
             return continuation(details)
         header = next((str(v) for k, v in details.invocation_metadata or ()
                        if k == AUTH_HEADER), None)
