@@ -35,7 +35,8 @@ class RouterConfig(ServerConfig):
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
                                           "without a certificate from that CA")
     api_key_file: str = option("", "file of accepted API keys, one a line: every call but "
-                                   "health needs 'authorization: Bearer <key>' (default: none)")
+                                   "health and reflection needs 'authorization: Bearer <key>' "
+                                   "(default: no keys asked)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
