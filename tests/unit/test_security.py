@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
-from pdserve.certs import create
+from pdserve.certs import CertPaths, create
 from pdserve.common.config import ServerConfig, TlsOptions
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.security import ApiKeys, ChannelSecurity, bearer_token, load_api_keys
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory):
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertPaths:
     return create(tmp_path_factory.mktemp("certs"), hosts=["pdserve.internal", "10.1.2.3"])
 
 
@@ -52,7 +52,7 @@ def test_an_api_key_file_without_keys_is_an_error_naming_it(tmp_path: Path) -> N
 
 # --- TLS options ---------------------------------------------------------------------------
 
-def test_tls_is_off_by_default_and_the_options_are_checked(certs) -> None:
+def test_tls_is_off_by_default_and_the_options_are_checked(certs: CertPaths) -> None:
     assert not ServerConfig().tls
     assert ChannelSecurity.from_options(ServerConfig()) is None
     with pytest.raises(ValueError, match="tls_key='': expected set together with --tls-cert"):
@@ -63,7 +63,7 @@ def test_tls_is_off_by_default_and_the_options_are_checked(certs) -> None:
         TlsOptions(tls_cert="/nope.pem", tls_key=str(certs.server_key))
 
 
-def test_channel_security_presents_the_certificate_only_in_mutual_tls(certs) -> None:
+def test_channel_security_presents_the_certificate_only_in_mutual_tls(certs: CertPaths) -> None:
     server_only = TlsOptions(tls_cert=str(certs.server_cert), tls_key=str(certs.server_key))
     mutual = TlsOptions(tls_cert=str(certs.server_cert), tls_key=str(certs.server_key),
                         tls_ca=str(certs.ca), tls_server_name="pdserve.internal")
@@ -78,14 +78,17 @@ def test_channel_security_presents_the_certificate_only_in_mutual_tls(certs) -> 
 
 # --- certificates --------------------------------------------------------------------------
 
-def test_certs_create_writes_a_ca_and_certificates_that_chain_to_it(certs) -> None:
+def test_certs_create_writes_a_ca_and_certificates_that_chain_to_it(certs: CertPaths) -> None:
     ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
     server = x509.load_pem_x509_certificate(certs.server_cert.read_bytes())
     client = x509.load_pem_x509_certificate(certs.client_cert.read_bytes())
+    ca_key = ca.public_key()
+    assert isinstance(ca_key, ec.EllipticCurvePublicKey)
     for cert in (server, client):
         assert cert.issuer == ca.subject
-        ca.public_key().verify(cert.signature, cert.tbs_certificate_bytes,
-                               ec.ECDSA(cert.signature_hash_algorithm))
+        assert cert.signature_hash_algorithm is not None
+        ca_key.verify(cert.signature, cert.tbs_certificate_bytes,
+                      ec.ECDSA(cert.signature_hash_algorithm))
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert set(names.get_values_for_type(x509.DNSName)) == {"localhost", "pdserve.internal"}
     assert {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} == {
