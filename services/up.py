@@ -22,11 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.certs import CertPaths, create
 from pdserve.common.config import option, parse_config, require
+from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
 from pdserve.common.health import wait_serving
 from pdserve.common.security import ChannelSecurity
 
@@ -51,6 +53,12 @@ class UpConfig:
                                      "gRPC ports do: prefill +10, decode +20, agents +30, "
                                      "co-located +40 (0 = any free port, -1 = off)")
     kv_cache_mb: int = option(256, "KV pool per worker (MiB)")
+    cpu_partition: bool = option(True, "disaggregated mode: pin the prefill and the decode "
+                                       "workers to cores of their own (as separate pods would "
+                                       "be); each sizes its torch threads to its cores")
+    prefill_cpus: str = option("", "cores for the prefill workers, e.g. 0-3 (default: half of "
+                                   "this process's cores)")
+    decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
     log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
@@ -78,6 +86,22 @@ class UpConfig:
                 "trace_sample_ratio", self.trace_sample_ratio, "a fraction in [0, 1]")
         require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
                 self.api_key_file, "a readable file of API keys")
+        for name in ("prefill_cpus", "decode_cpus"):
+            text = getattr(self, name)
+            if text:
+                try:
+                    parse_cpu_list(text)
+                except ValueError as exc:
+                    raise ValueError(f"{name}={text!r}: {exc}") from None
+
+    def cpu_plan(self) -> Partition | None:
+        """Cores per side in disaggregated mode (None: not partitioned)."""
+        if self.colocated or not self.cpu_partition:
+            return None
+        split = partition(sorted(os.sched_getaffinity(0)))
+        return Partition(parse_cpu_list(self.prefill_cpus) if self.prefill_cpus else split.prefill,
+                         parse_cpu_list(self.decode_cpus) if self.decode_cpus else split.decode,
+                         split.others)
 
     def trace_env(self) -> dict[str, str]:
         """The OTEL_* variables every process gets on top of this one's environment."""
@@ -100,6 +124,7 @@ class Proc:
     address: str
     argv: list[str]
     metrics_port: int = -1
+    cpus: list[int] | None = None  # pinned to these cores (None: wherever the OS runs it)
     popen: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -108,6 +133,7 @@ def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     """The processes in start order (agents, workers, router), each with its metrics port
     (and its certificates, API keys)."""
     procs = _plan(cfg, model_dir, model_name)
+    cores = cfg.cpu_plan()
     for p in procs:
         p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name))
         p.argv += ["--metrics-port", str(p.metrics_port)]
@@ -117,6 +143,9 @@ def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
                        "--tls-ca", str(certs.ca)]
         if cfg.api_key_file and p.name == "router":
             p.argv += ["--api-key-file", cfg.api_key_file]
+        if cores is not None:
+            role = p.name.partition("-")[0]
+            p.cpus = {"prefill": cores.prefill, "decode": cores.decode}.get(role, cores.others)
     return procs
 
 
@@ -188,7 +217,7 @@ class Stack:
             with open(p.log, "wb") as out:
                 p.popen = subprocess.Popen(p.argv, stdout=out, stderr=subprocess.STDOUT,
                                            env=self.env, start_new_session=True,
-                                           preexec_fn=_die_with_parent)
+                                           preexec_fn=_child_setup(p.cpus))
         for p in self.procs:  # all start at once; wait in dependency order
             print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
             try:
@@ -222,13 +251,18 @@ class Stack:
                 p.popen.wait()
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `pdserve up` itself dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
+    """In the child, before it runs: its cores, and SIGTERM if `pdserve up` itself dies, even
+    by SIGKILL (Linux)."""
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+    return setup
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -256,8 +290,10 @@ def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:
                if p.metrics_port > 0]
     if any(p.metrics_port == 0 for p in procs):
         metrics = ["    on free ports: see each process's log"]
+    pinned = [f"    {p.name:<12} cores {format_cpu_list(p.cpus)}" for p in procs if p.cpus]
     return "\n".join([
         f"pdserve is up. Router: {router}",
+        *(["  CPU partition (--no-cpu-partition to turn off):", *pinned] if pinned else []),
         *(["  Prometheus metrics:", *metrics] if metrics else []),
         *([f"  export PDSERVE_API_KEY=<a key from {cfg.api_key_file}>"]
           if cfg.api_key_file else []),

@@ -25,6 +25,9 @@ class WorkerConfig(ServerConfig):
     kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent")
     worker_id: str = option("", "name in stats, traces and logs (default: role@host:port)")
     advertise_host: str = option("127.0.0.1", "host name peers use to reach this worker")
+    threads: int = option(0, "torch threads (0: this process's CPU allowance, i.e. its cores "
+                             "capped by its cgroup CPU quota, as a pod's limits set them)")
+    warmup: bool = option(True, "run one throwaway request before reporting SERVING")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -34,6 +37,7 @@ class WorkerConfig(ServerConfig):
         require(self.chunk_size > 0, "chunk_size", self.chunk_size, "> 0")
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", self.max_prefill_tokens, "> 0")
+        require(self.threads >= 0, "threads", self.threads, ">= 0 (0 = the CPU allowance)")
         require(":" in self.kv_agent, "kv_agent", self.kv_agent, "host:port")
         require(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                 "cpu, cuda or cuda:N")

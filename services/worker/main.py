@@ -4,12 +4,14 @@ server, drain. The role supplies how to build its worker and which servicers to 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import grpc
 from pdserve.common.config import parse_config
+from pdserve.common.cpus import cpu_allowance, format_cpu_list
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import WorkerMetrics, serve_metrics
 from pdserve.common.security import ChannelSecurity, server_credentials
@@ -70,16 +72,22 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
          servicers: Callable[[W], Callable[[grpc.Server], None]]) -> int:
+    import torch
     from pdserve.engine.setup import build_engine
+    from pdserve.worker.warmup import warm_up
 
+    threads = cfg.threads or cpu_allowance()
+    torch.set_num_threads(threads)
     worker_id = worker_name(role, cfg)
     engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
                                      block_size=cfg.block_size, num_pages=cfg.num_pages,
                                      kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
                                      max_num_seqs=cfg.max_num_seqs,
                                      max_prefill_tokens=cfg.max_prefill_tokens)
-    log.info("%s: model %s from %s, %d pages of %d bytes (%s)", worker_id, engine.model.model_id,
-             model_dir, engine.config.num_pages, engine.pool.page_bytes, engine.pool.shm_name)
+    log.info("%s: model %s from %s, %d pages of %d bytes (%s), %d torch threads on cores %s",
+             worker_id, engine.model.model_id, model_dir, engine.config.num_pages,
+             engine.pool.page_bytes, engine.pool.shm_name, threads,
+             format_cpu_list(sorted(os.sched_getaffinity(0))))
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)
     ready = [False]
@@ -88,6 +96,8 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
         handle = start(role, cfg.port, servicers(worker), host=cfg.host, ready=lambda: ready[0],
                        grace_s=cfg.grace_s, on_drain=worker_drain(worker),
                        credentials=server_credentials(cfg))
+        if cfg.warmup:
+            log.info("%s: warmed up in %.0f ms", worker_id, warm_up(loop, role))
         worker.register()
         ready[0] = True
         log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
