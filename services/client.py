@@ -47,8 +47,8 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", default=env("PDSERVE_CLIENT_TLS_KEY", ""),
                         help="key of --tls-cert (env PDSERVE_CLIENT_TLS_KEY)")
     parser.add_argument("--tls-server-name", default=env("PDSERVE_CLIENT_TLS_SERVER_NAME", ""),
-                        help="name expected in the router's certificate (default: the host of "
-                             "--address; env PDSERVE_CLIENT_TLS_SERVER_NAME)")
+                        help="name expected in the server certificate (default: the host of "
+                             "the address; env PDSERVE_CLIENT_TLS_SERVER_NAME)")
     parser.add_argument("--api-key", default=env("PDSERVE_API_KEY", ""),
                         help="API key sent as 'authorization: Bearer <key>' "
                              "(env PDSERVE_API_KEY; prefer the env var: flags show in ps)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -162,3 +163,14 @@ def test_grpcurl_with_the_ca_and_a_bearer_key(stack: Stack, certs: CertPaths) ->
     assert health.returncode == 0 and '"status": "SERVING"' in health.stdout
     listed = grpcurl(stack.router, "list")
     assert listed.returncode == 0 and "pdserve.v1.Router" in listed.stdout.split()
+
+
+def test_bench_serve_measures_a_secured_router(stack: Stack, certs: CertPaths,
+                                               tiny_model_dir: Path) -> None:
+    argv = pdserve_argv("bench", "serve", "--target", stack.router, "--model",
+                        str(tiny_model_dir), "--workload", "fixed:8,3", "--num-requests", "2",
+                        "--warmup", "0", "--concurrency", "2", "--tls-ca", str(certs.ca))
+    env = {**os.environ, "PDSERVE_API_KEY": KEY}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2/2 done, 0 failed" in done.stderr
