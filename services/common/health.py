@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 POLL_S = 0.05
 
 
-def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
+def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None,
                  service: str = "") -> None:
     """Poll grpc.health.v1 at `address` until SERVING; TimeoutError / RuntimeError otherwise."""
     deadline = time.monotonic() + timeout_s
