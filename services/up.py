@@ -125,7 +125,7 @@ class Proc:
     argv: list[str]
     metrics_port: int = -1
     cpus: list[int] | None = None  # pinned to these cores (None: wherever the OS runs it)
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
 
@@ -229,6 +229,8 @@ class Stack:
             print(" serving", flush=True)
 
     def tail(self, p: Proc, lines: int = 25) -> str:
+        if p.log is None:
+            return ""
         try:
             return "\n".join(p.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -269,7 +271,7 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(popen.pid, sig)
     except ProcessLookupError:
@@ -354,9 +356,13 @@ def main(argv: list[str] | None = None) -> int:
                 for dead in stack.exited():  # the rest keep serving (the router routes around it)
                     if dead.name not in reported:
                         reported.add(dead.name)
-                        print(f"{dead.name} exited with status {dead.popen.returncode}; the other "
-                              f"processes keep serving. Its last lines:\n{stack.tail(dead)}",
-                              file=sys.stderr, flush=True)
+                        code = dead.popen.returncode if dead.popen else None
+                        print(
+                            f"{dead.name} exited with status {code}; the other "
+                            f"processes keep serving. Its last lines:\n{stack.tail(dead)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:

@@ -13,7 +13,7 @@ from pdserve.common.security import ChannelSecurity, open_channel
 POLL_S = 0.05
 
 
-def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
+def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None,
                  service: str = "", security: ChannelSecurity | None = None) -> None:
     """Poll grpc.health.v1 at `address` until SERVING; TimeoutError / RuntimeError otherwise.
     `security`: call over TLS (pdserve.common.security)."""

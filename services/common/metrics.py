@@ -46,8 +46,8 @@ def count_outcome(counter: Counter) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        code = getattr(exc, "code", None)
-        code = code if isinstance(code, str) else getattr(code, "name", "INTERNAL")
+        status = getattr(exc, "code", None)
+        code = status if isinstance(status, str) else str(getattr(status, "name", "INTERNAL"))
         raise
     finally:
         counter.labels(code).inc()

@@ -79,7 +79,8 @@ class _Interceptor(grpc.ServerInterceptor):
         self._idle = threading.Condition()
         self._inflight = 0
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Callable[..., Any],
+                          details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None or details.method.startswith("/grpc."):
             return handler  # health and reflection: not work to drain, no domain errors
@@ -91,7 +92,7 @@ class _Interceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream), **kw)
         return handler  # client/bidi streaming: not used by pdserve.v1
 
-    def _unary(self, fn: Callable) -> Callable:
+    def _unary(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = _guard_unary(fn)
 
         def call(request: Any, context: grpc.ServicerContext) -> Any:
@@ -102,7 +103,7 @@ class _Interceptor(grpc.ServerInterceptor):
                 self._exit()
         return call
 
-    def _stream(self, fn: Callable) -> Callable:
+    def _stream(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = _guard_stream(fn)
 
         def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -263,7 +264,7 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
                                                     thread_name_prefix=f"{name}-rpc"),
                          interceptors=(*interceptors, interceptor), options=SERVER_OPTIONS)
     registrar = _Registrar(server)
-    register(registrar)  # type: ignore[arg-type]
+    register(registrar)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", *registrar.names):

@@ -16,11 +16,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import load_model, resolve_dtype
+from pdserve.engine.model import PagedCausalLM, load_model, resolve_dtype
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -29,7 +30,8 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_engine(model, prompts, out_tokens: int) -> tuple[float, float]:
+def run_engine(model: PagedCausalLM, prompts: list[list[int]], out_tokens: int
+               ) -> tuple[float, float]:
     """(output tok/s over the whole run, median decode step ms at full batch)."""
     block = 16
     num_pages = len(prompts) * pages_for_tokens(len(prompts[0]) + out_tokens, block) + 8
@@ -53,7 +55,7 @@ def run_engine(model, prompts, out_tokens: int) -> tuple[float, float]:
         engine.close()
 
 
-def _hf_generate(hf, batch: list[list[int]], out_tokens: int) -> float:
+def _hf_generate(hf: Any, batch: list[list[int]], out_tokens: int) -> float:
     ids = torch.tensor(batch)  # equal lengths: left padding is a no-op
     start = time.perf_counter()
     with torch.inference_mode():
@@ -62,17 +64,17 @@ def _hf_generate(hf, batch: list[list[int]], out_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def run_hf_batch1(hf, prompts, out_tokens: int, sample: int) -> float:
+def run_hf_batch1(hf: Any, prompts: list[list[int]], out_tokens: int, sample: int) -> float:
     timed = prompts[:sample]
     elapsed = sum(_hf_generate(hf, [p], out_tokens) for p in timed)
     return len(timed) * out_tokens / elapsed
 
 
-def run_hf_static(hf, prompts, out_tokens: int) -> float:
+def run_hf_static(hf: Any, prompts: list[list[int]], out_tokens: int) -> float:
     return len(prompts) * out_tokens / _hf_generate(hf, prompts, out_tokens)
 
 
-def bare_forward_ms(hf, prompts, context: int, steps: int = 8) -> float:
+def bare_forward_ms(hf: Any, prompts: list[list[int]], context: int, steps: int = 8) -> float:
     """Median ms of one transformers forward of one token for every sequence, KV cache of `context`."""
     from transformers import DynamicCache
 
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, "cpu")
     torch.manual_seed(0)
     model = load_model(model_dir, dtype=dtype, model_id=ref.name if ref.builtin_size else None)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype)
+    hf.eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"model {model.model_id} ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params), "
           f"{dtype}, torch threads {torch.get_num_threads()}, prompt {args.prompt_tokens}, "

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdserve.common import models
 from pdserve.common.models import BUILTIN_PREFIX, BUILTIN_SIZES
@@ -172,7 +173,7 @@ def _read_corpus(stdlib: Path | None = None) -> tuple[str, list[str]]:
     return f"{len(texts)} Python {version} stdlib files ({total_bytes} bytes)", texts
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
+def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:  # a tokenizers.Tokenizer
     """Train a byte-level BPE: any UTF-8 round-trips, decoding adds no spaces, no BOS added."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -196,7 +197,7 @@ def _write_tokenizer(texts: list[str], shape: Shape, out: Path) -> int:
               "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "model_max_length": shape.max_positions}
     _write_json(out / "tokenizer_config.json", config)
-    return tokenizer.get_vocab_size()
+    return int(tokenizer.get_vocab_size())
 
 
 def _param_shapes(shape: Shape, vocab_size: int) -> dict[str, tuple[int, ...]]:
@@ -219,7 +220,7 @@ def _param_shapes(shape: Shape, vocab_size: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _init_weights(shape: Shape, vocab_size: int):  # -> dict[str, torch.Tensor]
+def _init_weights(shape: Shape, vocab_size: int) -> dict[str, Any]:  # name -> torch.Tensor
     """Norm weights are ones; matrices are N(0, init_std) from a generator seeded per name."""
     import torch
 
@@ -235,7 +236,7 @@ def _init_weights(shape: Shape, vocab_size: int):  # -> dict[str, torch.Tensor]
     return tensors
 
 
-def _model_config(shape: Shape, vocab_size: int, builtin: dict) -> dict:
+def _model_config(shape: Shape, vocab_size: int, builtin: dict[str, Any]) -> dict[str, Any]:
     """config.json for LlamaForCausalLM, written by hand so it does not vary with transformers."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -262,7 +263,7 @@ def _fingerprint(*paths: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 

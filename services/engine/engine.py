@@ -232,7 +232,7 @@ class Engine:
             for seq, token in zip(seqs, tokens):
                 self.waiting.remove(seq)
                 out = self._append(seq, token, (end - start) * 1e3, prefill=True)
-                out.prefill_ms = (end - seq.prefill_started_at) * 1e3
+                out.prefill_ms = (end - (seq.prefill_started_at or start)) * 1e3
                 seq.prefill_started_at = None  # a recompute after preemption measures anew
                 outputs.append(out)
         return outputs

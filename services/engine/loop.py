@@ -99,7 +99,7 @@ class EngineLoop:
                         (out.seq_id, out) for out in self.engine.step()]
                 except Exception as exc:  # a failed step must not leave callers waiting forever
                     log.exception("engine step failed")
-                    results = self._fail_all(exc)
+                    results = list(self._fail_all(exc))
                 if self.engine.stalled:
                     # Work is waiting for pages held elsewhere (a handoff, a reservation):
                     # sleep until something changes instead of spinning.

@@ -13,10 +13,12 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from pdserve.engine.pool import DTYPES, LayoutFingerprint
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.engine.pool import DTYPES
 from torch import nn
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -35,16 +37,19 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def read_config(model_dir: Path) -> dict:
+def read_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
-    return json.loads(path.read_text())
+        raise FileNotFoundError(
+            f"{model_dir} is not a Hugging Face model directory (no config.json)"
+        )
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
 
-def check_architecture(config: dict, model_dir: Path) -> str:
+def check_architecture(config: dict[str, Any], model_dir: Path) -> str:
     archs = config.get("architectures") or [config.get("model_type", "?")]
-    arch = archs[0]
+    arch = str(archs[0])
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
             f"architecture {arch!r} in {model_dir} is not supported; "
@@ -94,7 +99,21 @@ class Batch:
 class PagedCausalLM(nn.Module):
     """A Llama-family decoder whose attention reads and writes the paged KV pool."""
 
-    def __init__(self, hf_model: nn.Module, model_id: str, revision: str):
+    # Plain attributes (nn.Module's __getattr__ would type them Tensor | Module).
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    rotary_emb: nn.Module
+    lm_head: nn.Linear
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    vocab_size: int
+    max_context: int
+
+    def __init__(self, hf_model: Any, model_id: str, revision: str):
         super().__init__()
         cfg = hf_model.config
         inner = hf_model.model
@@ -136,6 +155,7 @@ class PagedCausalLM(nn.Module):
         slot_pages, slot_offsets, valid = self._write_slots(batch, block)
         pages = batch.block_tables.flatten()
         key_buf, value_buf = self._workspace(pages.numel(), kv.shape[3:], kv.dtype, kv.device)
+        layer: Any  # transformers' decoder layer (untyped)
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -157,7 +177,8 @@ class PagedCausalLM(nn.Module):
             hidden = hidden + out
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = hidden[torch.arange(S, device=hidden.device), batch.query_lens - 1]
-        return self.lm_head(self.norm(last)).float()
+        logits: torch.Tensor = self.lm_head(self.norm(last)).float()
+        return logits
 
     def _workspace(self, num_pages: int, page_shape: torch.Size, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +232,6 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: str = "cpu",
     check_architecture(config, model_dir)
     dtype = resolve_dtype(dtype, device)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
-    hf.to(device).eval()
+    cast(Any, hf).to(device).eval()
     name = model_id or model_dir.resolve().name
     return PagedCausalLM(hf, name, model_revision(model_dir)).eval()

@@ -62,7 +62,7 @@ class AgentPair:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -97,7 +97,7 @@ def _agent(transport: str) -> Iterator[tuple[str, kvtransfer_pb2_grpc.KVTransfer
             proc.kill()
 
 
-def _raw_tcp_server(port_q: mp.Queue, nbytes: int) -> None:
+def _raw_tcp_server(port_q: mp.Queue[int], nbytes: int) -> None:
     """Child process: receive length-prefixed payloads into one preallocated buffer."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port_q.put(server.getsockname()[1])
@@ -129,7 +129,7 @@ class RawTcp:
     def copy_ms(self, data: np.ndarray) -> float:
         started = time.perf_counter()
         self.conn.sendall(data.nbytes.to_bytes(8, "little"))
-        self.conn.sendall(memoryview(data))
+        self.conn.sendall(data.data)
         if self.conn.recv(1) != b"k":
             raise RuntimeError("raw TCP peer went away")
         return (time.perf_counter() - started) * 1e3

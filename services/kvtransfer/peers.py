@@ -98,7 +98,7 @@ class PeerDirectory:
                 raise PeerUnavailable(message, retryable=True) from None
             kind = _GRANT_ERRORS.get(exc.code(), PeerUnavailable)
             raise kind(message) from None
-        return reply.grant
+        return bytes(reply.grant)
 
     def forget(self, address: str) -> None:
         with self._lock:

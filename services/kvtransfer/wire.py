@@ -78,7 +78,7 @@ class WriteHeader:
             raise BadRequest(f"not a pdserve KV header (magic {magic!r}, version {version})")
         if body_len > MAX_BODY_BYTES or num_runs > MAX_RUNS:
             raise BadRequest(f"KV header too large ({body_len} bytes of JSON, {num_runs} runs)")
-        return _PREFIX.size + body_len + 8 * num_runs
+        return int(_PREFIX.size + body_len + 8 * num_runs)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> WriteHeader:

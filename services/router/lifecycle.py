@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 import grpc
 from pdserve.common import tracing
@@ -193,9 +193,17 @@ class Lifecycle:
             record.completion_tokens = completion.tokens
             self._settle(started, decode_finished, completion, scope)
 
-    def _relay(self, stream: DecodeStream, first_delta: Delta, completion: Completion,
-               timing: Timing, clock: TokenClock, record: RequestRecord, scope: CallScope,
-               address: str) -> Iterator[StreamEvent]:
+    def _relay(
+        self,
+        stream: DecodeStream,
+        first_delta: Delta,
+        completion: Completion,
+        timing: Timing,
+        clock: TokenClock,
+        record: RequestRecord,
+        scope: CallScope,
+        address: str,
+    ) -> Generator[StreamEvent, None, bool]:
         """Relay decode's stream; returns True when decode itself finished the sequence."""
         timing.decode_start_ms = stream.first.decode_start_ms
         record.decode_start_ms = timing.decode_start_ms

@@ -63,8 +63,10 @@ def rank_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
     """Healthy decode workers: those with room for the prompt first, then the fewest
     sequences, then the most free pages. Workers whose last Stats showed too little room
     still come (last): the Stats may be stale, and Reserve gives the real answer."""
-    def key(w: DecodeLoad) -> tuple:
-        fits = w.free_pages is None or w.free_pages >= pages_for_tokens(num_prompt_tokens, w.block_size)
+    def key(w: DecodeLoad) -> tuple[bool, bool, int, int, str]:
+        fits = w.free_pages is None or w.free_pages >= pages_for_tokens(
+            num_prompt_tokens, w.block_size
+        )
         free = w.free_pages if w.free_pages is not None else 0
         return (w.address in avoid, not fits, w.sequences, -free, w.address)
 

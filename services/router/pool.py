@@ -157,10 +157,14 @@ class WorkerPool:
                        block_size=s.fingerprint.block_size or load.block_size)
 
     def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return self._workers[("prefill", address)].stub  # type: ignore[return-value]
+        stub = self._workers[("prefill", address)].stub
+        assert isinstance(stub, prefill_pb2_grpc.PrefillStub)
+        return stub
 
     def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return self._workers[("decode", address)].stub  # type: ignore[return-value]
+        stub = self._workers[("decode", address)].stub
+        assert isinstance(stub, decode_pb2_grpc.DecodeStub)
+        return stub
 
     # --- what the lifecycle reports back --------------------------------------------------
 

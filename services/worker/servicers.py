@@ -16,7 +16,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from pdserve.common import tracing, wire
@@ -121,15 +121,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.worker.abort(reservation.ticket)
         return decode_pb2.ReserveResponse(
             ticket=wire.ticket_to_pb(reservation.ticket, self.worker.worker_id),
-            destination=wire.destination_to_pb(reservation.destination))
+            destination=wire.destination_to_pb(reservation.destination),
+        )
 
-    def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
-               ) -> Iterator[decode_pb2.DecodeResponse]:
-        domain = DecodeRequest(wire.ticket_from_pb(request.ticket),
-                               list(request.prompt_token_ids), request.first_token,
-                               wire.sampling_from_pb(request.sampling))
-        attrs = {"request_id": request.ticket.request_id, "worker_id": self.worker.worker_id,
-                 "model": self.worker.model_id}
+    def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.DecodeResponse]:
+        domain = DecodeRequest(
+            wire.ticket_from_pb(request.ticket),
+            list(request.prompt_token_ids),
+            request.first_token,
+            wire.sampling_from_pb(request.sampling),
+        )
+        attrs: dict[str, Any] = {
+            "request_id": request.ticket.request_id,
+            "worker_id": self.worker.worker_id,
+            "model": self.worker.model_id,
+        }
         spans = [tracing.start_span("decode.admission", kind=tracing.SERVER, **attrs)]
         tokens, reason = 0, ""
         try:

@@ -13,7 +13,7 @@ from pdserve.worker.types import DecodeEvent
 
 
 def first_output(outputs: Outputs, seq_id: str, wait_s: float,
-                 on_timeout: Callable[[], None]) -> StepOutput:
+                 on_timeout: Callable[[], object]) -> StepOutput:
     """The sequence's first output (its first token), or a domain error: Aborted when it was
     cancelled, DeadlineExceeded after `wait_s` (after calling `on_timeout`), Unavailable when
     the engine failed."""
