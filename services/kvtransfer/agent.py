@@ -54,6 +54,9 @@ log = logging.getLogger("pdserve.kvtransfer")
 
 SWEEP_INTERVAL_S = 0.25
 MAX_LEASE_S = 3600.0
+# A sender asks for its grant right before it sends the header, so the grant has to outlive
+# only that gap; a short life keeps the grants of tickets that never got a write few.
+GRANT_TTL_S = 300.0
 LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a sender gives up
 
 
@@ -87,7 +90,7 @@ class Agent:
         self.tickets = TicketBook(retention_s=retention_s)
         self.peers = PeerDirectory(security=security)
         # Mutual TLS: writes need this agent's grant; sends ask the destination for one.
-        self.grants = GrantBook(ttl_s=MAX_LEASE_S) if grant_writes else None
+        self.grants = GrantBook(ttl_s=GRANT_TTL_S) if grant_writes else None
         self._ask_grants = security is not None and bool(security.cert)
         self._contact = PeerContact(agent_id)
         self._pools: dict[str, Pool] = {}

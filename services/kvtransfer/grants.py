@@ -12,8 +12,8 @@ The grant travels only over the authenticated control channel, so a process that
 the data port but holds no certificate from the CA cannot obtain one; a header with a forged,
 missing or another ticket's grant is refused (`Unauthorized`) before any byte lands. A ticket
 stays bound to the first peer it was granted to: a grant for it to another identity or UCX
-address is refused. Grants live as long as `ttl_s` (the longest lease) and are dropped when the
-ticket closes; nothing here does I/O.
+address is refused. A grant is dropped when its pages have landed or its ticket is cancelled,
+and lives at most `ttl_s` (a sender asks again for each handoff attempt); no I/O here.
 """
 
 from __future__ import annotations
