@@ -160,3 +160,32 @@ def test_the_grant_travels_in_the_write_header_and_old_headers_still_parse() -> 
     plain = WriteHeader(1, KEY, 5, "decode-0/1", fp, 1024, ((3, 2),), 1000.0)
     assert b"grant" not in plain.encode()
     assert WriteHeader.decode(plain.encode()).grant == b""
+
+
+# --- pdserve up --tls ----------------------------------------------------------------------
+
+def test_up_makes_missing_certificates_and_hands_them_to_every_process(tmp_path: Path) -> None:
+    from pdserve.up import UpConfig, plan, prepare_certs
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    directory = tmp_path / "tls"
+    cfg = UpConfig(tls=str(directory), api_key_file=str(keys), prefill=2)
+    security = prepare_certs(cfg)
+    paths = CertPaths(directory)
+    assert paths.complete()
+    assert security == ChannelSecurity(str(paths.ca), str(paths.server_cert),
+                                       str(paths.server_key))
+    ca = paths.ca.read_bytes()
+    prepare_certs(cfg)  # present: kept, not replaced
+    assert paths.ca.read_bytes() == ca
+    procs = plan(cfg, tmp_path, "builtin-tiny")
+    assert [p.name for p in procs] == ["kvtransfer-a", "kvtransfer-b", "decode-0", "prefill-0",
+                                       "prefill-1", "router"]
+    for p in procs:
+        flags = dict(zip(p.argv, p.argv[1:]))
+        assert (flags["--tls-cert"], flags["--tls-key"], flags["--tls-ca"]) == (
+            str(paths.server_cert), str(paths.server_key), str(paths.ca)), p.name
+        assert ("--api-key-file" in flags) == (p.name == "router"), p.name
+    assert prepare_certs(UpConfig()) is None
+    assert not any("--tls-cert" in p.argv for p in plan(UpConfig(), tmp_path, "builtin-tiny"))
