@@ -41,7 +41,8 @@ def test_allocator_frees_each_page_exactly_once():
     alloc.transfer("b", "b2")
     assert alloc.free("b") == 0 and alloc.free("b2") == 4
     assert alloc.num_free == 10
-    assert sorted(alloc.allocate("d", 10)) == list(range(10)) and a  # every id comes back
+    assert sorted(alloc.allocate("d", 10)) == list(range(10))  # every id came back, once
+    assert alloc.num_free == 0
 
 
 def test_fingerprint_mismatch_names_the_fields():
