@@ -12,90 +12,19 @@ Only addresses inside the namespaces made here are used.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import MAX_TOKENS, PROMPTS
+from tests.multihost.conftest import in_ns, rx_bytes
 from tests.support import ServiceProcess
 
 pytestmark = pytest.mark.multihost
 
-SUBNET = "10.203.{}.{}"  # control link
-DATA_SUBNET = "10.204.{}.{}"  # data link: KV bytes only
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def require_root() -> None:
-    """Skip (with the reason) where namespaces cannot be made; in CI (CI=true) fail instead,
-    so the test can never silently not run there."""
-    why = ("multi-host tests need root for `ip netns`" if os.geteuid() != 0 else
-           "multi-host tests need iproute2's `ip`" if not shutil.which("ip") else "")
-    if why:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{why}, and CI must run them")
-        pytest.skip(why)
-
-
-@pytest.fixture
-def hosts():
-    """Namespaces `A` and `B` joined by a control link (10.203.N.1/.2) and a data link
-    (10.204.N.1/.2); yields per host (namespace, control dev, control ip, data dev, data ip)."""
-    require_root()
-    tag = f"{os.getpid() % 100000}"
-    net = os.getpid() % 250 + 1
-    a, b = f"pdA{tag}", f"pdB{tag}"
-    links = {"ctl": (f"va{tag}", f"vb{tag}", SUBNET), "data": (f"da{tag}", f"db{tag}", DATA_SUBNET)}
-    created = []
-    try:
-        for ns in (a, b):
-            _ip("netns", "add", ns)
-            created.append(ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        for dev_a, dev_b, subnet in links.values():
-            _ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b,
-                "netns", b)
-            for ns, dev, host in ((a, dev_a, 1), (b, dev_b, 2)):
-                _ip("-n", ns, "addr", "add", f"{subnet.format(net, host)}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-            for ns, dev in ((a, dev_a), (b, dev_b)):  # a link comes up asynchronously
-                assert _wait_operstate_up(ns, dev), f"{dev} in {ns} did not come up"
-        (ca, cb, _), (da, db, _) = links["ctl"], links["data"]
-        yield {"A": (a, ca, SUBNET.format(net, 1), da, DATA_SUBNET.format(net, 1)),
-               "B": (b, cb, SUBNET.format(net, 2), db, DATA_SUBNET.format(net, 2))}
-    finally:
-        for ns in created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-def _wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(_in(ns, "cat", f"/sys/class/net/{dev}/operstate"),
-                             capture_output=True, text=True, timeout=30)
-        if out.stdout.strip() == "up":
-            return True
-        time.sleep(0.05)  # bounded poll of the interface state
-    return False
-
-
-def _in(ns: str, *argv: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, *argv]
-
-
-def _rx_bytes(ns: str, dev: str) -> int:
-    out = subprocess.run(_in(ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes"),
-                         capture_output=True, text=True, check=True, timeout=30)
-    return int(out.stdout)
 
 
 DRIVER = textwrap.dedent("""
@@ -121,30 +50,30 @@ def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, referen
     py = [sys.executable, "-m"]
     ucx_env = {"UCX_TLS": "tcp"}  # same machine: keep UCX off shared memory so it uses a link
     procs = [  # the agents' data path on the data link, their gRPC on the control link
-        (_in(ns_a, *py, "pdserve.kvtransfer.main", "--port", "50081",
+        (in_ns(ns_a, *py, "pdserve.kvtransfer.main", "--port", "50081",
              "--advertise-host", data_ip_a, "--transport", transport),
          {**ucx_env, "UCX_NET_DEVICES": data_a}),
-        (_in(ns_b, *py, "pdserve.kvtransfer.main", "--port", "50081",
+        (in_ns(ns_b, *py, "pdserve.kvtransfer.main", "--port", "50081",
              "--advertise-host", data_ip_b, "--transport", transport),
          {**ucx_env, "UCX_NET_DEVICES": data_b}),
-        (_in(ns_a, *py, "pdserve.prefill.main", "--kv-agent", f"{ip_a}:50081",
+        (in_ns(ns_a, *py, "pdserve.prefill.main", "--kv-agent", f"{ip_a}:50081",
              "--advertise-host", ip_a, "--kv-cache-mb", "16"), {}),
-        (_in(ns_b, *py, "pdserve.decode.main", "--kv-agent", f"{ip_b}:50081",
+        (in_ns(ns_b, *py, "pdserve.decode.main", "--kv-agent", f"{ip_b}:50081",
              "--advertise-host", ip_b, "--kv-cache-mb", "16"), {}),
-        (_in(ns_a, *py, "pdserve.router.main", "--model", str(tiny_model_dir),
+        (in_ns(ns_a, *py, "pdserve.router.main", "--model", str(tiny_model_dir),
              "--prefill", f"{ip_a}:50061", "--decode", f"{ip_b}:50071"), {}),
     ]
     running = [ServiceProcess(argv, env) for argv, env in procs]
     try:
-        before = _rx_bytes(ns_b, data_b), _rx_bytes(ns_b, ctl_b)
+        before = rx_bytes(ns_b, data_b), rx_bytes(ns_b, ctl_b)
         prompts = PROMPTS[:4]
-        done = subprocess.run(_in(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
+        done = subprocess.run(in_ns(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
                                   json.dumps(prompts), str(MAX_TOKENS)),
                               capture_output=True, text=True, timeout=300)
         logs = "\n".join(f"--- {' '.join(p.proc.args[3:6])}\n{p.output()[-1500:]}" for p in running)
         assert done.returncode == 0, done.stderr + logs
-        data_rx = _rx_bytes(ns_b, data_b) - before[0]
-        control_rx = _rx_bytes(ns_b, ctl_b) - before[1]
+        data_rx = rx_bytes(ns_b, data_b) - before[0]
+        control_rx = rx_bytes(ns_b, ctl_b) - before[1]
         tok, refs = reference
         kv_bytes = 0
         for prompt, line in zip(prompts, done.stdout.splitlines()):

@@ -32,7 +32,7 @@ def _run(engine: Engine, limit: int = 5000, out: dict[str, list[int]] | None = N
 
 def test_allocator_frees_each_page_exactly_once():
     alloc = PageAllocator(10)
-    a = alloc.allocate("a", 3)
+    assert alloc.allocate("a", 3) == [0, 1, 2]
     alloc.allocate("b", 4)
     assert alloc.num_free == 3 and not alloc.can_allocate(4)
     with pytest.raises(OutOfPages, match="need 4 pages, 3 of 10 free"):
