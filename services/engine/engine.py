@@ -60,6 +60,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
         self.stalled = False  # the last step found work but could run none of it
+        self.num_preemptions = 0  # running sequences sent back to be recomputed (out of pages)
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -279,6 +280,7 @@ class Engine:
         return self.running[-1] if self.running else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.allocator.free(seq.seq_id)
         seq.num_cached = 0
         if seq.status is Status.RUNNING:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import UnsupportedModel, load_model
+from pdserve.engine.model import Batch, UnsupportedModel, load_model
 from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -131,6 +131,7 @@ def test_preemption_recomputes_and_keeps_greedy_output(models, prompts, referenc
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, GREEDY)
         _drain(engine, outputs)
+        assert engine.num_preemptions > 0  # the pool really was too small for all of them
         assert [outputs[f"r{i}"] for i in range(len(prompts))] == references
         assert engine.allocator.num_free == engine.config.num_pages
     finally:
@@ -199,16 +200,31 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_pools_and_forward_run(tiny_model_dir, dtype):
+def test_half_precision_matches_transformers_in_the_same_dtype(tiny_model_dir, dtype):
+    """A bf16/fp16 pool: the first token's logits equal transformers' in that dtype (within
+    1e-2; they come out identical here, the same kernels in the same order), and greedy output
+    equals `generate` in that dtype token for token."""
+    from transformers import AutoModelForCausalLM
+
     model = load_model(tiny_model_dir, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=getattr(torch, dtype)).eval()
     engine = _engine(model, num_pages=64)
+    prompt = list(range(5, 45))
     try:
         assert engine.pool.fingerprint.dtype == dtype
         assert engine.pool.tensor.dtype == getattr(torch, dtype)
+        pages = engine.allocator.allocate("logits", pages_for_tokens(len(prompt), 16))
+        ours = model(Batch.build([prompt], [0], [pages], engine.device), engine.pool.tensor)[0]
+        engine.allocator.free("logits")
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+            expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                   min_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
+        assert (ours - ref).abs().max().item() <= 1e-2
         outputs: dict[str, list[int]] = {}
-        engine.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=8, temperature=0.0,
-                                                                    ignore_eos=True))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                       ignore_eos=True))
         _drain(engine, outputs)
-        assert len(outputs["r"]) == 8 and all(0 <= t < model.vocab_size for t in outputs["r"])
+        assert outputs["r"] == expected
     finally:
         engine.close()

@@ -32,7 +32,7 @@ def _run(engine: Engine, limit: int = 5000, out: dict[str, list[int]] | None = N
 
 def test_allocator_frees_each_page_exactly_once():
     alloc = PageAllocator(10)
-    a = alloc.allocate("a", 3)
+    assert alloc.allocate("a", 3) == [0, 1, 2]
     alloc.allocate("b", 4)
     assert alloc.num_free == 3 and not alloc.can_allocate(4)
     with pytest.raises(OutOfPages, match="need 4 pages, 3 of 10 free"):
@@ -41,7 +41,8 @@ def test_allocator_frees_each_page_exactly_once():
     alloc.transfer("b", "b2")
     assert alloc.free("b") == 0 and alloc.free("b2") == 4
     assert alloc.num_free == 10
-    assert sorted(alloc.allocate("d", 10)) == list(range(10)) and a  # every id comes back
+    assert sorted(alloc.allocate("d", 10)) == list(range(10))  # every id came back, once
+    assert alloc.num_free == 0
 
 
 def test_fingerprint_mismatch_names_the_fields():
