@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import ssl
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,8 @@ from typing import Any
 
 import grpc
 from pdserve.common.config import TlsOptions
+
+log = logging.getLogger("pdserve.security")
 
 AUTH_HEADER = "authorization"
 BEARER = "bearer "
@@ -143,7 +149,11 @@ class ApiKeys:
 
     @classmethod
     def from_file(cls, path: str) -> ApiKeys:
-        return cls(load_api_keys(path))
+        """The keys of `path`, read again when the file changes (see `KeyFile`)."""
+        return KeyFile(path)
+
+    def digests(self) -> tuple[bytes, ...]:
+        return self._digests
 
     def check(self, authorization: str | None) -> str | None:
         """None when `authorization` (the header's value) carries a valid key, else why not."""
@@ -154,9 +164,52 @@ class ApiKeys:
                     "malformed authorization header: expected 'Bearer <key>'")
         digest = _digest(token)
         ok = False
-        for known in self._digests:  # no early exit: the time does not tell which key
+        for known in self.digests():  # no early exit: the time does not tell which key
             ok |= hmac.compare_digest(digest, known)
         return None if ok else "invalid API key"
+
+
+class KeyFile(ApiKeys):
+    """The keys of a file, re-read when its modification time or size changes (looked at
+    most once per `recheck_s`), so keys rotate without a restart: add the new key, move the
+    clients, remove the old one. A file that becomes unreadable or empty keeps the old keys
+    (logged), never locks everybody out by accident."""
+
+    def __init__(self, path: str, recheck_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._path = path
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+        super().__init__(load_api_keys(path))
+        self._checked = clock()
+
+    def _stat(self) -> tuple[int, int]:
+        st = os.stat(self._path)
+        return st.st_mtime_ns, st.st_size
+
+    def digests(self) -> tuple[bytes, ...]:
+        now = self._clock()
+        if now - self._checked >= self._recheck_s and self._lock.acquire(blocking=False):
+            try:
+                self._checked = now
+                self._reload()
+            finally:
+                self._lock.release()
+        return self._digests
+
+    def _reload(self) -> None:
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return
+            digests = tuple(load_api_keys(self._path))
+        except (OSError, ValueError) as exc:
+            log.warning("API keys not reloaded, the previous ones stay in force: %s", exc)
+            return
+        self._stamp, self._digests = stamp, digests
+        log.info("API keys reloaded from %s: %d keys", self._path, len(digests))
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):

@@ -3,6 +3,7 @@ certificates `pdserve certs create` writes. No sockets, no processes."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from pathlib import Path
 
@@ -13,7 +14,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from pdserve.certs import CertPaths, create
 from pdserve.common.config import ServerConfig, TlsOptions
 from pdserve.common.layout import LayoutFingerprint
-from pdserve.common.security import ApiKeys, ChannelSecurity, bearer_token, load_api_keys
+from pdserve.common.security import (
+    ApiKeys,
+    ChannelSecurity,
+    KeyFile,
+    bearer_token,
+    load_api_keys,
+)
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import Unauthorized
 from pdserve.kvtransfer.grants import GrantBook
@@ -48,6 +55,31 @@ def test_an_api_key_file_without_keys_is_an_error_naming_it(tmp_path: Path) -> N
     path.write_text("# nothing yet\n\n")
     with pytest.raises(ValueError, match=f"{path}: no API key in the file"):
         load_api_keys(str(path))
+
+
+def test_api_keys_rotate_without_a_restart_and_survive_a_broken_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("old-key\n")
+    clock = Clock()
+    keys = KeyFile(str(path), recheck_s=1.0, clock=clock)
+
+    def rewrite(text: str, mtime_s: int) -> None:
+        path.write_text(text)
+        os.utime(path, (mtime_s, mtime_s))  # a visible change, whatever the clock's resolution
+
+    rewrite("old-key\nnew-key\n", 1_000)
+    assert keys.check("Bearer new-key") == "invalid API key"  # looked at once a second
+    clock.now += 1.0
+    assert keys.check("Bearer new-key") is None and keys.check("Bearer old-key") is None
+    rewrite("new-key\n", 2_000)
+    clock.now += 1.0
+    assert keys.check("Bearer old-key") == "invalid API key"
+    rewrite("# emptied by mistake\n", 3_000)
+    clock.now += 1.0
+    assert keys.check("Bearer new-key") is None  # the keys in force stay
+    path.unlink()
+    clock.now += 1.0
+    assert keys.check("Bearer new-key") is None
 
 
 # --- TLS options ---------------------------------------------------------------------------
