@@ -174,3 +174,18 @@ def test_bench_serve_measures_a_secured_router(stack: Stack, certs: CertPaths,
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2/2 done, 0 failed" in done.stderr
+
+
+def test_bad_security_flags_stop_a_service_with_a_message_naming_them(certs: CertPaths) -> None:
+    cases = [
+        (["router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+          "--api-key-file", "/nonexistent/keys"],
+         "api_key_file='/nonexistent/keys': expected a readable file of API keys"),
+        (["decode", "--tls-ca", str(certs.ca)],
+         "tls_cert='': expected a certificate (--tls-ca turns on mutual TLS, which needs one)"),
+        (["kvtransfer", "--tls-cert", str(certs.server_cert)],
+         "tls_key='': expected set together with --tls-cert"),
+    ]
+    for args, message in cases:
+        done = subprocess.run(pdserve_argv(*args), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
