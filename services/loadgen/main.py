@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             target.close()
     print()
-    print(f"workload {args.workload}, {args.num_requests} requests, {arrivals if not rates else 'sweep'}, "
+    print(f"workload {args.workload}, {args.num_requests} requests, "
+          f"{arrivals if not rates else 'sweep'}, "
           f"seed {args.seed}")
     print(report.table([(name, summary) for name, summary, _ in runs]))
     meta = {"workload": args.workload, "num_requests": args.num_requests, "seed": args.seed,
