@@ -61,7 +61,8 @@ class UpConfig:
     decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
-    log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
+    log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on "
+                              "exit)")
     ready_timeout_s: float = option(300.0, "how long the stack may take to come up (s)")
     otlp_endpoint: str = option("", "send every process's traces over OTLP/gRPC to this "
                                     "collector or Jaeger, HOST:PORT (default: "
@@ -108,7 +109,8 @@ class UpConfig:
         env: dict[str, str] = {}
         if self.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = (
-                self.otlp_endpoint if "://" in self.otlp_endpoint else f"http://{self.otlp_endpoint}")
+                self.otlp_endpoint if "://" in self.otlp_endpoint
+                else f"http://{self.otlp_endpoint}")
         if self.trace_sample_ratio is not None:
             env["OTEL_TRACES_SAMPLER_ARG"] = str(self.trace_sample_ratio)
         return env
@@ -224,8 +226,8 @@ class Stack:
                 wait_serving(p.address, timeout_s, p.popen, security=self.security)
             except (TimeoutError, RuntimeError) as exc:
                 print(" failed")
-                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of {p.log} ---\n"
-                                   f"{self.tail(p)}") from None
+                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of "
+                                   f"{p.log} ---\n{self.tail(p)}") from None
             print(" serving", flush=True)
 
     def tail(self, p: Proc, lines: int = 25) -> str:
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
+        print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})",
+              flush=True)
         if stack.env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             print(f"traces: OTLP to {stack.env['OTEL_EXPORTER_OTLP_ENDPOINT']} from every process",
                   flush=True)

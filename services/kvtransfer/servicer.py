@@ -2,7 +2,8 @@
 
 Domain errors become status codes in one place (`_status`): BadRequest (and LayoutMismatch)
 -> INVALID_ARGUMENT, Unauthorized (mutual TLS write grants) -> PERMISSION_DENIED, NotFound ->
-NOT_FOUND, Refused (expired, cancelled, stale epoch, busy) -> FAILED_PRECONDITION, TransferTimeout -> DEADLINE_EXCEEDED, PeerUnavailable -> UNAVAILABLE.
+NOT_FOUND, Refused (expired, cancelled, stale epoch, busy) -> FAILED_PRECONDITION,
+TransferTimeout -> DEADLINE_EXCEEDED, PeerUnavailable -> UNAVAILABLE.
 The shared server's interceptor turns the raised `ServiceError` into the call's status.
 
 SendPages is traced as kv.send (a child of the prefill worker's span; the receiving agent's

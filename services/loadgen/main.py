@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             if rates:
                 attainment = []
                 for rate in rates:
-                    point = Plan(**{**plan.__dict__, "arrivals": Arrivals(rate=rate,
-                                                                          burstiness=args.burstiness)})
+                    arrivals = Arrivals(rate=rate, burstiness=args.burstiness)
+                    point = Plan(**{**plan.__dict__, "arrivals": arrivals})
                     records, took = run(target, point, f"rate {rate:g}")
                     summary = summarize(records, took, slo)
                     attainment.append(float(summary["attainment"]))  # type: ignore[arg-type]
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             target.close()
     print()
-    print(f"workload {args.workload}, {args.num_requests} requests, {arrivals if not rates else 'sweep'}, "
+    print(f"workload {args.workload}, {args.num_requests} requests, "
+          f"{arrivals if not rates else 'sweep'}, "
           f"seed {args.seed}")
     print(report.table([(name, summary) for name, summary, _ in runs]))
     meta = {"workload": args.workload, "num_requests": args.num_requests, "seed": args.seed,

@@ -84,7 +84,8 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
                  colocated_port=base + 35, metrics_port=metrics_base)
     argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
                         "--kv-cache-mb", "32", *args,
-                        *(x for k, v in ports.items() for x in (f"--{k.replace('_', '-')}", str(v))))
+                        *(x for k, v in ports.items()
+                          for x in (f"--{k.replace('_', '-')}", str(v))))
     if colocated:
         argv.append("--colocated")
     router = f"127.0.0.1:{base}"
@@ -102,8 +103,9 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
                         [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics)
 
 
-def collect(responses: list[router_pb2.GenerateResponse]) -> tuple[list[int], str, router_pb2.Timing,
-                                                                     router_pb2.Finish]:
+def collect(
+    responses: list[router_pb2.GenerateResponse],
+) -> tuple[list[int], str, router_pb2.Timing, router_pb2.Finish]:
     """(token ids, text, timing, finish) of one finished stream."""
     ids: list[int] = []
     text = ""
