@@ -56,7 +56,9 @@ class UpConfig:
     decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
-    log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
+    log_dir: str = option(
+        "", "keep every process's log here (default: a temp dir, removed on exit)"
+    )
     ready_timeout_s: float = option(300.0, "how long the stack may take to come up (s)")
     otlp_endpoint: str = option("", "send every process's traces over OTLP/gRPC to this "
                                     "collector or Jaeger, HOST:PORT (default: "
@@ -190,8 +192,10 @@ class Stack:
                 wait_serving(p.address, timeout_s, p.popen)
             except (TimeoutError, RuntimeError) as exc:
                 print(" failed")
-                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of {p.log} ---\n"
-                                   f"{self.tail(p)}") from None
+                raise RuntimeError(
+                    f"{p.name} did not come up: {exc}\n--- last lines of {p.log} ---\n"
+                    f"{self.tail(p)}"
+                ) from None
             print(" serving", flush=True)
 
     def tail(self, p: Proc, lines: int = 25) -> str:
@@ -251,14 +255,17 @@ def _banner(router: str, procs: list[Proc]) -> str:
     if any(p.metrics_port == 0 for p in procs):
         metrics = ["    on free ports: see each process's log"]
     pinned = [f"    {p.name:<12} cores {format_cpu_list(p.cpus)}" for p in procs if p.cpus]
-    return "\n".join([
-        f"pdserve is up. Router: {router}",
-        *(["  CPU partition (--no-cpu-partition to turn off):", *pinned] if pinned else []),
-        *(["  Prometheus metrics:", *metrics] if metrics else []),
-        f"  grpcurl -plaintext -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
-        f"  pdserve generate --address {router} --max-tokens 32 --temperature 0 'def fibonacci(n):'",
-        "Ctrl-C stops every process.",
-    ])
+    return "\n".join(
+        [
+            f"pdserve is up. Router: {router}",
+            *(["  CPU partition (--no-cpu-partition to turn off):", *pinned] if pinned else []),
+            *(["  Prometheus metrics:", *metrics] if metrics else []),
+            f"  grpcurl -plaintext -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
+            f"  pdserve generate --address {router} --max-tokens 32 --temperature 0 "
+            "'def fibonacci(n):'",
+            "Ctrl-C stops every process.",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
+        print(
+            f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})",
+            flush=True,
+        )
         if stack.env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             print(f"traces: OTLP to {stack.env['OTEL_EXPORTER_OTLP_ENDPOINT']} from every process",
                   flush=True)

@@ -21,7 +21,9 @@ def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[b
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the process for {address} exited with status {proc.returncode}")
+                raise RuntimeError(
+                    f"the process for {address} exited with status {proc.returncode}"
+                )
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -229,7 +229,8 @@ class ServerHandle:
         self.request_stop()
 
     def drain(self) -> None:
-        """NOT_SERVING for good, `on_drain()`, wait for in-flight calls up to the grace period, stop."""
+        """NOT_SERVING for good, `on_drain()`, wait for in-flight calls up to the grace period,
+        stop."""
         self._stop_requested.set()
         self._health.enter_graceful_shutdown()
         started = time.monotonic()

@@ -86,7 +86,9 @@ def model_name(size: str) -> str:
     return BUILTIN_PREFIX + _check_size(size)
 
 
-def ensure(size: str = "tiny", *, cache_dir: Path | None = None, progress: Progress | None = None) -> Path:
+def ensure(
+    size: str = "tiny", *, cache_dir: Path | None = None, progress: Progress | None = None
+) -> Path:
     """Return the cached directory of `builtin-<size>`, creating it first when missing.
 
     Safe when several processes call it at once: one builds under an exclusive file lock while
@@ -144,8 +146,12 @@ def _build(size: str, shape: Shape, out: Path, report: Progress) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     builtin = {  # names the model for other code; revision fingerprints the files
-        "name": model_name(size), "size": size, "format_version": FORMAT_VERSION, "seed": SEED,
-        "corpus": corpus_name, "corpus_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+        "name": model_name(size),
+        "size": size,
+        "format_version": FORMAT_VERSION,
+        "seed": SEED,
+        "corpus": corpus_name,
+        "corpus_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
         "num_parameters": num_params,
         "revision": _fingerprint(out / "tokenizer.json", out / "model.safetensors"),
     }
@@ -188,7 +194,8 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:  # a tokenizers.
 
 
 def _write_tokenizer(texts: list[str], shape: Shape, out: Path) -> int:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the vocab size."""
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the
+    vocab size."""
     tokenizer = _train_tokenizer(texts, shape.vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
@@ -302,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     ensure_cmd = commands.add_parser("ensure", help="the cached model, created when missing")
     ensure_cmd.add_argument("size", nargs="?", default="tiny", choices=SIZES)
-    ensure_cmd.add_argument("--cache-dir", type=Path, help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve")
+    ensure_cmd.add_argument(
+        "--cache-dir", type=Path, help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve"
+    )
     create_cmd = commands.add_parser("create", help="write the model into a new directory")
     create_cmd.add_argument("size", choices=SIZES)
     create_cmd.add_argument("out_dir", type=Path)

@@ -82,7 +82,9 @@ class Agent:
         self._lock = threading.Lock()
         self._next_pool = 0
         self._stop = threading.Event()
-        self._janitor = threading.Thread(target=self._sweep_loop, name="kv-lease-sweep", daemon=True)
+        self._janitor = threading.Thread(
+            target=self._sweep_loop, name="kv-lease-sweep", daemon=True
+        )
 
     def start(self) -> None:
         """Start the transport's receiving side and the lease sweeper."""
@@ -116,8 +118,13 @@ class Agent:
             raise BadRequest("worker_id and shm_name are required")
         with self._lock:
             for pool in self._pools.values():
-                if (pool.worker_id, pool.shm_name, pool.num_pages, pool.page_bytes,
-                        pool.fingerprint) == (worker_id, shm_name, num_pages, page_bytes, fingerprint):
+                if (
+                    pool.worker_id,
+                    pool.shm_name,
+                    pool.num_pages,
+                    pool.page_bytes,
+                    pool.fingerprint,
+                ) == (worker_id, shm_name, num_pages, page_bytes, fingerprint):
                     return pool.pool_id
             self._next_pool += 1
             pool_id = f"{worker_id}/{self._next_pool}"

@@ -1,4 +1,5 @@
-"""`pdserve prefill`: a prefill worker (prompt → KV pages + first token, pages shipped to decode)."""
+"""`pdserve prefill`: a prefill worker (prompt → KV pages + first token, pages shipped to
+decode)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,9 @@ class WorkerPool:
                 all_healthy = all(w.healthy for w in self._workers.values())
             # A worker that is down (or still starting) is looked at again soon, so it rejoins
             # quickly; healthy ones every interval.
-            self._wake.wait(self.interval_s if all_healthy else min(self.interval_s, RECHECK_DOWN_S))
+            self._wake.wait(
+                self.interval_s if all_healthy else min(self.interval_s, RECHECK_DOWN_S)
+            )
             self._wake.clear()
 
     def check_now(self) -> None:

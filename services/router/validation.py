@@ -73,7 +73,9 @@ def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int
         ids = list(req.token_ids)
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
-            raise _invalid("token_ids", bad, f"token id outside the vocabulary [0, {tokenizer.vocab_size})")
+            raise _invalid(
+                "token_ids", bad, f"token id outside the vocabulary [0, {tokenizer.vocab_size})"
+            )
         return "token_ids", ids
     if not req.prompt:
         raise _invalid("prompt", req.prompt, "a non-empty prompt or token_ids is required")
@@ -98,8 +100,11 @@ def validate(req: GenerateInput, tokenizer: Tokenizer, model_name: str) -> Gener
     context = tokenizer.max_context
     if context is not None:
         if len(ids) >= context:
-            raise _invalid(field, f"{len(ids)} tokens",
-                           f"the prompt must be shorter than the model's context of {context} tokens")
+            raise _invalid(
+                field,
+                f"{len(ids)} tokens",
+                f"the prompt must be shorter than the model's context of {context} tokens",
+            )
         if len(ids) + sampling.max_tokens > context:
             sampling = replace(sampling, max_tokens=context - len(ids))
     return Generation(request_id=request_id, prompt_ids=tuple(ids), sampling=sampling, stop=stop)

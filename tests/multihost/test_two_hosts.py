@@ -37,8 +37,9 @@ DRIVER = textwrap.dedent("""
     with grpc.insecure_channel(router) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         for p in prompts:
-            msgs = [MessageToDict(m, preserving_proto_field_name=True) for m in stub.Generate(
-                router_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=0.0), timeout=120)]
+            request = router_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=0.0)
+            msgs = [MessageToDict(m, preserving_proto_field_name=True)
+                    for m in stub.Generate(request, timeout=120)]
             print(json.dumps(msgs), flush=True)
 """)
 

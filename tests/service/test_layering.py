@@ -89,8 +89,9 @@ PROBE = textwrap.dedent("""
             if root in forbidden and root not in culprits:
                 frames = [f for f in traceback.extract_stack()
                           if "/services/" in f.filename and "/v1/" not in f.filename]
-                culprits[root] = f"{frames[-1].filename.split('/services/')[-1]}:{frames[-1].lineno}" \\
-                    if frames else "?"
+                last = frames[-1] if frames else None
+                culprits[root] = (f"{last.filename.split('/services/')[-1]}:{last.lineno}"
+                                  if last else "?")
             return None
 
     sys.meta_path.insert(0, Watch())

@@ -1,5 +1,6 @@
 """Tracing helpers: configuration from the standard variables, the KV write header's
-traceparent, status codes on error spans (set-up itself: tests/service/test_fresh_interpreter.py)."""
+traceparent, status codes on error spans (set-up itself:
+tests/service/test_fresh_interpreter.py)."""
 
 from __future__ import annotations
 
