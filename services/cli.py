@@ -11,22 +11,16 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.up", "run the whole stack on this machine (router, prefill, decode, agents)"),
-    "generate": (
-        "pdserve.client",
-        "send a prompt to a router, stream the text and the TTFT breakdown",
-    ),
+    "generate": ("pdserve.client",
+                 "send a prompt to a router, stream the text and the TTFT breakdown"),
     "router": ("pdserve.router.main", "the public API: Generate, placement, request lifecycle"),
     "prefill": ("pdserve.prefill.main", "a prefill worker: prompt -> KV pages + first token"),
     "decode": ("pdserve.decode.main", "a decode worker: paged KV pool, continuous batching"),
     "kvtransfer": ("pdserve.kvtransfer.main", "the per-host KV transfer agent (UCX or TCP)"),
-    "colocated": (
-        "pdserve.colocated.main",
-        "one engine doing prefill and decode (comparison baseline)",
-    ),
-    "model": (
-        "pdserve.engine.builtin",
-        "create the built-in model: pdserve model create tiny|small DIR",
-    ),
+    "colocated": ("pdserve.colocated.main",
+                  "one engine doing prefill and decode (comparison baseline)"),
+    "model": ("pdserve.engine.builtin",
+              "create the built-in model: pdserve model create tiny|small DIR"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.bench", "engine decode throughput vs transformers"),

@@ -70,9 +70,8 @@ def running(argv: Sequence[str], address: str | None = None, env: dict[str, str]
             try:
                 wait_serving(address, timeout_s, sp.proc)
             except Exception as exc:
-                raise RuntimeError(
-                    f"{' '.join(argv)} did not come up: {exc}\n--- log ---\n{sp.output()[-4000:]}"
-                ) from exc
+                raise RuntimeError(f"{' '.join(argv)} did not come up: {exc}\n--- log ---\n"
+                                   f"{sp.output()[-4000:]}") from exc
         yield sp
     finally:
         sp.stop()

@@ -75,8 +75,8 @@ def run_hf_static(hf: Any, prompts: list[list[int]], out_tokens: int) -> float:
 
 
 def bare_forward_ms(hf: Any, prompts: list[list[int]], context: int, steps: int = 8) -> float:
-    """Median ms of one transformers forward of one token for every sequence, KV cache of
-    `context`."""
+    """Median ms of one transformers forward of one token for every sequence, with a KV cache
+    of `context` tokens."""
     from transformers import DynamicCache
 
     ids = torch.tensor([p[:context] for p in prompts])
@@ -96,12 +96,10 @@ def bare_forward_ms(hf: Any, prompts: list[list[int]], context: int, steps: int 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--model", default="tiny", help="tiny, small, or a Hugging Face model directory"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16"
-    )
+    parser.add_argument("--model", default="tiny",
+                        help="tiny, small, or a Hugging Face model directory")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (fp32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -137,12 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                "vs_hf_batch1": tok_s / b1, "vs_hf_static": tok_s / static,
                "step_ms": step_ms, "bare_forward_ms": bare, "step_overhead": step_ms / bare}
         results.append(row)
-        print(
-            f"{c:>5} {tok_s:>9.1f} {b1:>9.1f} {static:>10.1f} {row['vs_hf_batch1']:>7.2f} "
-            f"{row['vs_hf_static']:>10.2f} {step_ms:>8.2f} {bare:>8.2f} "
-            f"{row['step_overhead']:>9.2f}",
-            flush=True,
-        )
+        print(f"{c:>5} {tok_s:>9.1f} {b1:>9.1f} {static:>10.1f} {row['vs_hf_batch1']:>7.2f} "
+              f"{row['vs_hf_static']:>10.2f} {step_ms:>8.2f} {bare:>8.2f} "
+              f"{row['step_overhead']:>9.2f}", flush=True)
     if args.json:
         args.json.write_text(
             json.dumps({"model": model.model_id, "dtype": dtype, "results": results}, indent=2)

@@ -86,9 +86,8 @@ def model_name(size: str) -> str:
     return BUILTIN_PREFIX + _check_size(size)
 
 
-def ensure(
-    size: str = "tiny", *, cache_dir: Path | None = None, progress: Progress | None = None
-) -> Path:
+def ensure(size: str = "tiny", *, cache_dir: Path | None = None,
+           progress: Progress | None = None) -> Path:
     """Return the cached directory of `builtin-<size>`, creating it first when missing.
 
     Safe when several processes call it at once: one builds under an exclusive file lock while
@@ -146,10 +145,7 @@ def _build(size: str, shape: Shape, out: Path, report: Progress) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     builtin = {  # names the model for other code; revision fingerprints the files
-        "name": model_name(size),
-        "size": size,
-        "format_version": FORMAT_VERSION,
-        "seed": SEED,
+        "name": model_name(size), "size": size, "format_version": FORMAT_VERSION, "seed": SEED,
         "corpus": corpus_name,
         "corpus_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
         "num_parameters": num_params,
@@ -195,7 +191,7 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:  # a tokenizers.
 
 def _write_tokenizer(texts: list[str], shape: Shape, out: Path) -> int:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the
-    vocab size."""
+    vocabulary size."""
     tokenizer = _train_tokenizer(texts, shape.vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
@@ -309,9 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     ensure_cmd = commands.add_parser("ensure", help="the cached model, created when missing")
     ensure_cmd.add_argument("size", nargs="?", default="tiny", choices=SIZES)
-    ensure_cmd.add_argument(
-        "--cache-dir", type=Path, help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve"
-    )
+    ensure_cmd.add_argument("--cache-dir", type=Path,
+                            help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve")
     create_cmd = commands.add_parser("create", help="write the model into a new directory")
     create_cmd.add_argument("size", choices=SIZES)
     create_cmd.add_argument("out_dir", type=Path)

@@ -72,9 +72,8 @@ class Engine:
                              f"{self.model.max_context}")
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the vocabulary (size {self.model.vocab_size})"
-            )
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.model.vocab_size})")
         # A prefill worker holds only the prompt; the others also grow by the generated tokens.
         total = len(prompt_ids) if self.config.role == "prefill" else min(
             len(prompt_ids) + params.max_tokens, self.model.max_context)
@@ -163,9 +162,8 @@ class Engine:
         expected = pages_for_tokens(num_prompt_tokens, self.config.block_size)
         held = len(self.allocator.pages_of(reservation))
         if held != expected:
-            raise ValueError(
-                f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}"
-            )
+            raise ValueError(f"reservation {reservation!r} holds {held} pages, "
+                             f"the prompt needs {expected}")
         self.allocator.transfer(reservation, seq_id)
 
     def abort(self, seq_id: str) -> bool:

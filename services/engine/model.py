@@ -144,8 +144,8 @@ class PagedCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: torch.Tensor) -> torch.Tensor:
-        """Run the batch, writing its new K/V into `kv` pages; logits of each last new token
-        [S, V]."""
+        """Run the batch, writing its new K/V into `kv` pages; the logits of each sequence's last
+        new token [S, V]."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         S, T = batch.input_ids.shape
@@ -197,9 +197,8 @@ class PagedCausalLM(nn.Module):
         return (ws[:half].view(num_pages, *page_shape), ws[half:need].view(num_pages, *page_shape))
 
     @staticmethod
-    def _gather(
-        pages_kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor, S: int
-    ) -> torch.Tensor:
+    def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor,
+                S: int) -> torch.Tensor:
         """[S, kv_heads, tokens, head_dim] view of the pages' K (or V), copied into `out`."""
         torch.index_select(pages_kv, 0, pages, out=out)
         return out.view(S, -1, *out.shape[2:]).transpose(1, 2)
@@ -215,9 +214,8 @@ class PagedCausalLM(nn.Module):
             mask &= key_pos[None, None, :] > q_pos - self.sliding_window
         return mask[:, None]
 
-    def _write_slots(
-        self, batch: Batch, block: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _write_slots(self, batch: Batch, block: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page and in-page offset for every real (unpadded) new token, and their flat indices."""
         S, T = batch.input_ids.shape
         real = torch.arange(T, device=batch.positions.device)[None, :] < batch.query_lens[:, None]

@@ -123,11 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             target.close()
     print()
-    print(
-        f"workload {args.workload}, {args.num_requests} requests, "
-        f"{arrivals if not rates else 'sweep'}, "
-        f"seed {args.seed}"
-    )
+    print(f"workload {args.workload}, {args.num_requests} requests, "
+          f"{arrivals if not rates else 'sweep'}, "
+          f"seed {args.seed}")
     print(report.table([(name, summary) for name, summary, _ in runs]))
     meta = {"workload": args.workload, "num_requests": args.num_requests, "seed": args.seed,
             "arrivals": str(arrivals), "slo": str(slo) if slo else None, "sweep": rates,

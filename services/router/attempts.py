@@ -201,11 +201,10 @@ class AttemptRunner:
             raise Unavailable("no healthy decode worker")
         # The lease must outlive the longest prefill this router waits for; it only matters
         # when nobody releases the pages (this router died), and then they come back after it.
-        request = decode_pb2.ReserveRequest(
-            request_id=worker_request_id,
-            num_prompt_tokens=num_tokens,
-            lease_ms=(self._prefill_timeout_s + LEASE_MARGIN_S) * 1e3,
-        )
+        lease_s = self._prefill_timeout_s + LEASE_MARGIN_S
+        request = decode_pb2.ReserveRequest(request_id=worker_request_id,
+                                            num_prompt_tokens=num_tokens,
+                                            lease_ms=lease_s * 1e3)
         full: list[str] = []
         down: list[str] = []
         for address in ranked:
@@ -314,7 +313,6 @@ class AttemptRunner:
             if code == "RESOURCE_EXHAUSTED":
                 raise ResourceExhausted(f"{where}: {details}")
             if code in RETRYABLE:
-                raise _Retry(
-                    f"{where}: {code} {details}", prefill=prefill, decode=decode, code=code
-                )
+                raise _Retry(f"{where}: {code} {details}", prefill=prefill, decode=decode,
+                             code=code)
             raise ServiceError(f"{where}: {details}", code)

@@ -184,10 +184,8 @@ class Lifecycle:
                                                          timing, clock, record, scope,
                                                          reservation.address)
             self._settle(started, decode_finished, completion, scope)
-            record.finish_reason, record.completion_tokens = (
-                completion.finish_reason,
-                completion.tokens,
-            )
+            record.finish_reason = completion.finish_reason
+            record.completion_tokens = completion.tokens
             record.tpot_ms = clock.tpot_ms
             yield Finish(rid, completion.finish_reason, len(gen.prompt_ids), completion.tokens,
                          clock.e2e_ms(self._clock()), clock.tpot_ms, clock.itl_mean_ms,

@@ -27,10 +27,9 @@ class AgentClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            raise ConnectionError(
-                f"kvtransfer agent at {self.address} not reachable "
-                f"after {timeout_s:.0f}s (is `pdserve kvtransfer` running?)"
-            ) from None
+            raise ConnectionError(f"kvtransfer agent at {self.address} not reachable "
+                                  f"after {timeout_s:.0f}s (is `pdserve kvtransfer` running?)"
+                                  ) from None
 
     def register_pool(self, worker_id: str, shm_name: str, num_pages: int, page_bytes: int,
                       fingerprint: LayoutFingerprint) -> tuple[str, int]:

@@ -12,9 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class WorkerConfig(ServerConfig):
-    model: str = option(
-        DEFAULT_MODEL, "a local Hugging Face model directory, or tiny / small (built-in)"
-    )
+    model: str = option(DEFAULT_MODEL,
+                        "a local Hugging Face model directory, or tiny / small (built-in)")
     dtype: str = option("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")

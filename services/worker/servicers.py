@@ -117,9 +117,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             reservation = self.worker.reserve(request.request_id, request.num_prompt_tokens,
                                               request.lease_ms / 1e3)
             span.set_attribute("kv_pages", len(reservation.destination.page_ids))
-        if (
-            not context.is_active()
-        ):  # the caller gave up (cancelled, timed out): nobody will use them
+        if not context.is_active():  # the caller gave up (cancelled, timed out): free them
             self.worker.abort(reservation.ticket)
         return decode_pb2.ReserveResponse(
             ticket=wire.ticket_to_pb(reservation.ticket, self.worker.worker_id),

@@ -78,17 +78,10 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
         metrics_base = _port_block(45)
     ports = dict(port=base, prefill_port=base + 10, decode_port=base + 20, agent_port=base + 30,
                  colocated_port=base + 35, metrics_port=metrics_base)
-    argv = pdserve_argv(
-        "up",
-        "--prefill",
-        str(prefill),
-        "--decode",
-        str(decode),
-        "--kv-cache-mb",
-        "32",
-        *args,
-        *(x for k, v in ports.items() for x in (f"--{k.replace('_', '-')}", str(v))),
-    )
+    argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
+                        "--kv-cache-mb", "32", *args,
+                        *(x for k, v in ports.items()
+                          for x in (f"--{k.replace('_', '-')}", str(v))))
     if colocated:
         argv.append("--colocated")
     router = f"127.0.0.1:{base}"

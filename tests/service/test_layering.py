@@ -89,9 +89,9 @@ PROBE = textwrap.dedent("""
             if root in forbidden and root not in culprits:
                 frames = [f for f in traceback.extract_stack()
                           if "/services/" in f.filename and "/v1/" not in f.filename]
-                last = frames[-1] if frames else None
-                culprits[root] = (f"{last.filename.split('/services/')[-1]}:{last.lineno}"
-                                  if last else "?")
+                where = frames[-1] if frames else None
+                culprits[root] = (f"{where.filename.split('/services/')[-1]}:{where.lineno}"
+                                  if where else "?")
             return None
 
     sys.meta_path.insert(0, Watch())

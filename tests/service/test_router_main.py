@@ -39,12 +39,8 @@ def test_env_twins_fill_the_config():
     env = {"PDSERVE_ROUTER_PREFILL": "a:1,b:2", "PDSERVE_ROUTER_DECODE": "c:3",
            "PDSERVE_ROUTER_PORT": "6000", "PDSERVE_ROUTER_MAX_RETRIES": "2"}
     cfg = parse_config(RouterConfig, "router", [], env=env)
-    assert (cfg.prefill, cfg.decode, cfg.port, cfg.max_retries) == (
-        ("a:1", "b:2"),
-        ("c:3",),
-        6000,
-        2,
-    )
+    assert (cfg.prefill, cfg.decode, cfg.port, cfg.max_retries) == \
+        (("a:1", "b:2"), ("c:3",), 6000, 2)
     cfg = parse_config(RouterConfig, "router", ["--decode", "a:1"], env=env)  # co-located worker
     assert cfg.decode == ("a:1",)
 

@@ -234,11 +234,7 @@ def test_outcome_log_line_json(capsys):
         logs.outcome(logging.getLogger("pdserve.t"), "done", request_id="x", ms=1.5)
         line = capsys.readouterr().err.strip().splitlines()[-1]
         obj = json.loads(line)
-        assert (obj["msg"], obj["request_id"], obj["ms"], obj["service"]) == (
-            "done",
-            "x",
-            1.5,
-            "demo",
-        )
+        assert (obj["msg"], obj["request_id"], obj["ms"], obj["service"]) == \
+            ("done", "x", 1.5, "demo")
     finally:
         logs.setup_logging("text", "WARNING")

@@ -71,9 +71,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             self._spans += got
         return trace_service_pb2.ExportTraceServiceResponse()
 
-    def spans(
-        self, predicate: Callable[[ExportedSpan], bool] = lambda s: True
-    ) -> list[ExportedSpan]:
+    def spans(self, predicate: Callable[[ExportedSpan], bool] = lambda s: True
+              ) -> list[ExportedSpan]:
         with self._lock:
             return [s for s in self._spans if predicate(s)]
 

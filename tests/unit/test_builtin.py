@@ -152,18 +152,16 @@ def test_create_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "m").iterdir()] == ["keep.txt"]
 
 
-def test_cache_dir_comes_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_cache_dir_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert models.cache_dir() == tmp_path
     monkeypatch.delenv("PDSERVE_CACHE_DIR")
     assert models.cache_dir() == Path.home() / ".cache" / "pdserve"
 
 
-def test_cli_ensure_prints_the_path(
-    tiny_dir: Path, cache_dir: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_cli_ensure_prints_the_path(tiny_dir: Path, cache_dir: Path,
+                                    capsys: pytest.CaptureFixture) -> None:
     assert builtin.main(["ensure", "tiny", "--cache-dir", str(cache_dir)]) == 0
     assert capsys.readouterr().out.strip() == str(tiny_dir.resolve())
 

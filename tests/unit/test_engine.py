@@ -156,11 +156,8 @@ def test_prefill_writes_the_models_own_past_key_values(models, prompts):
         kv = engine.pool.tensor[pages]  # [pages, L, 2, block, kvh, hd]
         for layer in range(model.num_layers):
             ref_k, ref_v = past.layers[layer].keys[0], past.layers[layer].values[0]  # [kvh, T, hd]
-            ours = (
-                kv[:, layer]
-                .permute(1, 0, 2, 3, 4)
-                .reshape(2, -1, model.num_kv_heads, model.head_dim)
-            )
+            ours = kv[:, layer].permute(1, 0, 2, 3, 4).reshape(
+                2, -1, model.num_kv_heads, model.head_dim)
             # A sliding-window cache keeps only the window's tail; compare what it kept.
             kept = ref_k.shape[1]
             ours = ours[:, len(prompt) - kept: len(prompt)].transpose(1, 2)

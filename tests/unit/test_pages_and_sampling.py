@@ -68,9 +68,8 @@ def test_free_pages_return_after_finished_and_aborted_sequences(tiny):
         reserved = engine.reserve("ticket", 40)
         assert len(reserved) == 3
         out = _run(engine, out=early)
-        assert set(out) >= {"s0", "s2", "s3", "s5"} and all(
-            len(out[f"s{i}"]) == 12 for i in (0, 2, 3, 5)
-        )
+        assert set(out) >= {"s0", "s2", "s3", "s5"}
+        assert all(len(out[f"s{i}"]) == 12 for i in (0, 2, 3, 5))
         assert engine.free_reservation("ticket") == 3 and engine.free_reservation("ticket") == 0
         assert engine.allocator.num_free == 64
     finally:
@@ -121,9 +120,8 @@ def _generate(tiny, params_list):
 
 
 def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny):
-    seeded = SamplingParams(
-        max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=42, ignore_eos=True
-    )
+    seeded = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=42,
+                            ignore_eos=True)
     other = SamplingParams(
         max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=43, ignore_eos=True
     )

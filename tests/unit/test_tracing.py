@@ -1,5 +1,5 @@
 """Tracing helpers: configuration from the standard variables, the KV write header's
-traceparent, status codes on error spans (set-up itself:
+traceparent, status codes on error spans (set-up itself: in a fresh interpreter, see
 tests/service/test_fresh_interpreter.py)."""
 
 from __future__ import annotations
