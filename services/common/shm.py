@@ -29,13 +29,17 @@ class SharedSegment:
         try:
             fd = os.open(path, flags, 0o600)
         except FileNotFoundError:
-            raise FileNotFoundError(f"no shared-memory segment {name!r} (is its owner running?)") from None
+            raise FileNotFoundError(
+                f"no shared-memory segment {name!r} (is its owner running?)"
+            ) from None
         try:
             if create:
                 os.ftruncate(fd, size)
             actual = os.fstat(fd).st_size
             if actual < size:
-                raise ValueError(f"shared-memory segment {name!r} has {actual} bytes, expected {size}")
+                raise ValueError(
+                    f"shared-memory segment {name!r} has {actual} bytes, expected {size}"
+                )
             self.size = size
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

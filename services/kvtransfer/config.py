@@ -1,4 +1,5 @@
-"""The agent's configuration: flags with `PDSERVE_KVTRANSFER_*` twins (see pdserve.common.config)."""
+"""The agent's configuration: flags with `PDSERVE_KVTRANSFER_*` twins (see
+pdserve.common.config)."""
 
 from __future__ import annotations
 
