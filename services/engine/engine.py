@@ -60,6 +60,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.reservations: set[Hashable] = set()  # owners of pages reserved for a handoff
         self.stalled = False  # the last step found work but could run none of it
+        self.num_preemptions = 0  # sequences whose pages were taken back, to be recomputed
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -270,6 +271,7 @@ class Engine:
         return self.running[-1] if self.running else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.allocator.free(seq.seq_id)
         seq.num_cached = 0
         if seq.status is Status.RUNNING:
