@@ -23,8 +23,15 @@ run: venv
 test: venv
 	$(BIN)/python -m pytest -q tests
 
+# mypy needs the package under its import name (pdserve -> services/): a symlink in build/.
+# The generated stubs (pdserve.v1) are only followed as imports, never checked themselves.
+TYPED := common engine kvtransfer router worker prefill decode colocated loadgen
+
 lint: venv
 	$(BIN)/ruff check services tests
+	@mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/pdserve
+	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p pdserve.,$(TYPED)) \
+	    -m pdserve.up -m pdserve.cli -m pdserve.client
 
 bench: venv
 	$(BIN)/pdserve bench engine --model tiny

@@ -11,17 +11,22 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.up", "run the whole stack on this machine (router, prefill, decode, agents)"),
-    "generate": ("pdserve.client", "send a prompt to a router, stream the text and the TTFT breakdown"),
+    "generate": ("pdserve.client",
+                 "send a prompt to a router, stream the text and the TTFT breakdown"),
     "router": ("pdserve.router.main", "the public API: Generate, placement, request lifecycle"),
     "prefill": ("pdserve.prefill.main", "a prefill worker: prompt -> KV pages + first token"),
     "decode": ("pdserve.decode.main", "a decode worker: paged KV pool, continuous batching"),
     "kvtransfer": ("pdserve.kvtransfer.main", "the per-host KV transfer agent (UCX or TCP)"),
-    "colocated": ("pdserve.colocated.main", "one engine doing prefill and decode (comparison baseline)"),
-    "model": ("pdserve.engine.builtin", "create the built-in model: pdserve model create tiny|small DIR"),
+    "colocated": ("pdserve.colocated.main",
+                  "one engine doing prefill and decode (comparison baseline)"),
+    "model": ("pdserve.engine.builtin",
+              "create the built-in model: pdserve model create tiny|small DIR"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.bench", "engine decode throughput vs transformers"),
     "kv": ("pdserve.kvtransfer.bench", "KV handoff throughput per transport vs raw TCP and memcpy"),
+    "serve": ("pdserve.loadgen.main", "latency, throughput and goodput of a deployment (gRPC or "
+                                      "OpenAI API), side by side"),
 }
 
 
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(BENCHES, "pdserve bench", argv[1:])
     if argv and argv[0] == "model":
         return _dispatch({"model": COMMANDS["model"]}, "pdserve", argv)
-    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv")}
+    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv|serve")}
     return _dispatch(table, "pdserve", argv)
 
 

@@ -43,8 +43,11 @@ def breakdown(t: router_pb2.Timing) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
     parser.add_argument("prompt", help="the prompt text")
-    parser.add_argument("--address", default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "localhost:50051"),
-                        help="router host:port (env PDSERVE_ROUTER_ADDRESS; default localhost:50051)")
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "localhost:50051"),
+        help="router host:port (env PDSERVE_ROUTER_ADDRESS; default localhost:50051)",
+    )
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
     parser.add_argument("--top-p", type=float)
@@ -54,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--request-id")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
-    parser.add_argument("--json", action="store_true", help="print every stream message as a JSON line")
+    parser.add_argument(
+        "--json", action="store_true", help="print every stream message as a JSON line"
+    )
     args = parser.parse_args(argv)
     out = sys.stdout
     timing: router_pb2.Timing | None = None
@@ -72,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             elif kind == "finish":
                 f = msg.finish
                 print(f"\n\n{breakdown(timing)}" if timing is not None else "")
-                print(f"finish: {f.finish_reason}; {f.prompt_tokens} prompt + {f.completion_tokens} "
-                      f"completion tokens; e2e {f.e2e_ms:.1f} ms; TPOT {f.tpot_ms:.1f} ms; "
-                      f"ITL mean {f.itl_mean_ms:.1f} / max {f.itl_max_ms:.1f} ms")
+                print(
+                    f"finish: {f.finish_reason}; {f.prompt_tokens} prompt + {f.completion_tokens} "
+                    f"completion tokens; e2e {f.e2e_ms:.1f} ms; TPOT {f.tpot_ms:.1f} ms; "
+                    f"ITL mean {f.itl_mean_ms:.1f} / max {f.itl_max_ms:.1f} ms"
+                )
     except grpc.RpcError as exc:
         print(f"\npdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

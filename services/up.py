@@ -19,10 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.config import option, parse_config, require
+from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
 from pdserve.common.health import wait_serving
 
 DEMO_PROMPT = "def fibonacci(n):"
@@ -46,6 +48,12 @@ class UpConfig:
                                      "gRPC ports do: prefill +10, decode +20, agents +30, "
                                      "co-located +40 (0 = any free port, -1 = off)")
     kv_cache_mb: int = option(256, "KV pool per worker (MiB)")
+    cpu_partition: bool = option(True, "disaggregated mode: pin the prefill and the decode "
+                                       "workers to cores of their own (as separate pods would "
+                                       "be); each sizes its torch threads to its cores")
+    prefill_cpus: str = option("", "cores for the prefill workers, e.g. 0-3 (default: half of "
+                                   "this process's cores)")
+    decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
     log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
@@ -66,6 +74,22 @@ class UpConfig:
                 "otlp_endpoint", self.otlp_endpoint, "HOST:PORT or http(s)://HOST:PORT")
         require(self.trace_sample_ratio is None or 0.0 <= self.trace_sample_ratio <= 1.0,
                 "trace_sample_ratio", self.trace_sample_ratio, "a fraction in [0, 1]")
+        for name in ("prefill_cpus", "decode_cpus"):
+            text = getattr(self, name)
+            if text:
+                try:
+                    parse_cpu_list(text)
+                except ValueError as exc:
+                    raise ValueError(f"{name}={text!r}: {exc}") from None
+
+    def cpu_plan(self) -> Partition | None:
+        """Cores per side in disaggregated mode (None: not partitioned)."""
+        if self.colocated or not self.cpu_partition:
+            return None
+        split = partition(sorted(os.sched_getaffinity(0)))
+        return Partition(parse_cpu_list(self.prefill_cpus) if self.prefill_cpus else split.prefill,
+                         parse_cpu_list(self.decode_cpus) if self.decode_cpus else split.decode,
+                         split.others)
 
     def trace_env(self) -> dict[str, str]:
         """The OTEL_* variables every process gets on top of this one's environment."""
@@ -88,16 +112,21 @@ class Proc:
     address: str
     argv: list[str]
     metrics_port: int = -1
-    popen: subprocess.Popen | None = None
+    cpus: list[int] | None = None  # pinned to these cores (None: wherever the OS runs it)
+    popen: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
 
 def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     """The processes in start order (agents, workers, router), each with its metrics port."""
     procs = _plan(cfg, model_dir, model_name)
+    cores = cfg.cpu_plan()
     for p in procs:
         p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name))
         p.argv += ["--metrics-port", str(p.metrics_port)]
+        if cores is not None:
+            role = p.name.partition("-")[0]
+            p.cpus = {"prefill": cores.prefill, "decode": cores.decode}.get(role, cores.others)
     return procs
 
 
@@ -154,7 +183,7 @@ class Stack:
             with open(p.log, "wb") as out:
                 p.popen = subprocess.Popen(p.argv, stdout=out, stderr=subprocess.STDOUT,
                                            env=self.env, start_new_session=True,
-                                           preexec_fn=_die_with_parent)
+                                           preexec_fn=_child_setup(p.cpus))
         for p in self.procs:  # all start at once; wait in dependency order
             print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
             try:
@@ -166,6 +195,8 @@ class Stack:
             print(" serving", flush=True)
 
     def tail(self, p: Proc, lines: int = 25) -> str:
+        if p.log is None:
+            return ""
         try:
             return "\n".join(p.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -188,20 +219,25 @@ class Stack:
                 p.popen.wait()
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `pdserve up` itself dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
+    """In the child, before it runs: its cores, and SIGTERM if `pdserve up` itself dies, even
+    by SIGKILL (Linux)."""
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+    return setup
 
 
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(popen.pid, sig)
     except ProcessLookupError:
@@ -214,8 +250,10 @@ def _banner(router: str, procs: list[Proc]) -> str:
                if p.metrics_port > 0]
     if any(p.metrics_port == 0 for p in procs):
         metrics = ["    on free ports: see each process's log"]
+    pinned = [f"    {p.name:<12} cores {format_cpu_list(p.cpus)}" for p in procs if p.cpus]
     return "\n".join([
         f"pdserve is up. Router: {router}",
+        *(["  CPU partition (--no-cpu-partition to turn off):", *pinned] if pinned else []),
         *(["  Prometheus metrics:", *metrics] if metrics else []),
         f"  grpcurl -plaintext -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
         f"  pdserve generate --address {router} --max-tokens 32 --temperature 0 'def fibonacci(n):'",
@@ -225,19 +263,16 @@ def _banner(router: str, procs: list[Proc]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(UpConfig, "up", argv, prog="pdserve up", description=__doc__)
-    from pdserve.engine import builtin
+    from pdserve.common.models import resolve_model_name
+    from pdserve.engine.setup import model_dir as ensure_model_dir
 
-    size = builtin.size_from_model_name(cfg.model) or (cfg.model if cfg.model in builtin.SIZES else None)
-    if size:
-        model_dir = builtin.ensure(size, progress=lambda m: print(m, flush=True))
-        model_name = builtin.model_name(size)
-    else:
-        model_dir = Path(cfg.model).expanduser().resolve()
-        if not (model_dir / "config.json").is_file():
-            print(f"pdserve up: --model {cfg.model}: not a built-in size ({', '.join(builtin.SIZES)}) "
-                  "nor a Hugging Face directory with config.json", file=sys.stderr)
-            return 2
-        model_name = model_dir.name
+    try:
+        ref = resolve_model_name(cfg.model)
+    except FileNotFoundError as exc:
+        print(f"pdserve up: --model: {exc}", file=sys.stderr)
+        return 2
+    model_dir = ensure_model_dir(ref, progress=lambda m: print(m, flush=True))
+    model_name = ref.name
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(plan(cfg, model_dir, model_name), log_dir, cfg.trace_env())
@@ -255,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve import client
 
             note = (" (the built-in model has random weights: the text is noise, the path and "
-                    "the timings are real)" if size else "")
+                    "the timings are real)" if ref.builtin_size else "")
             print(f"\ndemo: {cfg.demo_prompt!r}{note}\n", flush=True)
             status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
                                   "--ignore-eos", cfg.demo_prompt])
@@ -266,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                 for dead in stack.exited():  # the rest keep serving (the router routes around it)
                     if dead.name not in reported:
                         reported.add(dead.name)
-                        print(f"{dead.name} exited with status {dead.popen.returncode}; the other "
-                              f"processes keep serving. Its last lines:\n{stack.tail(dead)}",
-                              file=sys.stderr, flush=True)
+                        code = dead.popen.returncode if dead.popen else None
+                        print(
+                            f"{dead.name} exited with status {code}; the other "
+                            f"processes keep serving. Its last lines:\n{stack.tail(dead)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:

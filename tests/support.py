@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdserve.common.health import wait_serving
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["free_port", "wait_serving", "wait_for", "ServiceProcess", "running", "pdserve_argv"]
 
@@ -68,7 +70,8 @@ def running(argv: Sequence[str], address: str | None = None, env: dict[str, str]
             try:
                 wait_serving(address, timeout_s, sp.proc)
             except Exception as exc:
-                raise RuntimeError(f"{' '.join(argv)} did not come up: {exc}\n--- log ---\n{sp.output()[-4000:]}") from exc
+                raise RuntimeError(f"{' '.join(argv)} did not come up: {exc}\n--- log ---\n"
+                                   f"{sp.output()[-4000:]}") from exc
         yield sp
     finally:
         sp.stop()
@@ -87,3 +90,20 @@ def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> bo
             return True
         time.sleep(interval_s)
     return False
+
+
+# ---- Prometheus text --------------------------------------------------------------------
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of a Prometheus text exposition."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def exposition(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client import generate_latest
+    return samples(generate_latest(registry).decode())
+
+
+def value(found: dict, name: str, **labels: str) -> float:
+    return found.get((name, frozenset(labels.items())), 0.0)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pdserve.common.config import METRICS_PORT_HELP, option
-from pdserve.common.worker_main import run_worker
-from pdserve.common.workerconfig import WorkerConfig
+from pdserve.common.config import METRICS_PORT_HELP, option, require
+from pdserve.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    import grpc
+    from pdserve.colocated.worker import ColocatedWorker
+    from pdserve.engine.loop import EngineLoop
 
 
 @dataclass(frozen=True)
@@ -15,24 +21,35 @@ class ColocatedConfig(WorkerConfig):
     port: int = option(50091, "gRPC port (serves pdserve.v1.Prefill and pdserve.v1.Decode)")
     metrics_port: int = option(9091, METRICS_PORT_HELP)
     lease_ms: float = option(30_000.0, "how long reserved pages wait for their prefill (ms)")
+    prefill_wait_s: float = option(300.0, "longest a prompt may wait and run before its "
+                                          "Prefill call fails (s)")
+    token_wait_s: float = option(120.0, "longest a stream waits for its next token before "
+                                        "failing (s)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.lease_ms > 0, "lease_ms", self.lease_ms, "> 0")
+        require(self.prefill_wait_s > 0, "prefill_wait_s", self.prefill_wait_s, "> 0")
+        require(self.token_wait_s > 0, "token_wait_s", self.token_wait_s, "> 0")
 
 
 def main(argv: list[str] | None = None) -> int:
     from pdserve.colocated.worker import ColocatedWorker
-    from pdserve.decode.servicer import DecodeServicer
-    from pdserve.prefill.servicer import PrefillServicer
     from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+    from pdserve.worker.main import run_worker
+    from pdserve.worker.servicers import DecodeServicer, PrefillServicer
 
-    def make(cfg: ColocatedConfig, loop, agent, worker_id: str) -> ColocatedWorker:
-        return ColocatedWorker(loop, worker_id=worker_id, default_lease_ms=cfg.lease_ms)
+    def make(cfg: ColocatedConfig, loop: EngineLoop, worker_id: str) -> ColocatedWorker:
+        return ColocatedWorker(loop, worker_id=worker_id, default_lease_s=cfg.lease_ms / 1e3,
+                               prefill_wait_s=cfg.prefill_wait_s, token_wait_s=cfg.token_wait_s)
 
-    def register(worker: ColocatedWorker):
-        def add(server) -> None:
+    def servicers(worker: ColocatedWorker) -> Callable[[grpc.Server], None]:
+        def add(server: grpc.Server) -> None:
             decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
             prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
         return add
 
-    return run_worker("colocated", ColocatedConfig, argv, make, register, __doc__)
+    return run_worker("colocated", ColocatedConfig, argv, make, servicers, __doc__ or "")
 
 
 if __name__ == "__main__":

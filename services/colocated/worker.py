@@ -1,100 +1,139 @@
 """The co-located worker: one engine doing both phases, behind the Prefill and Decode APIs.
 
 It exists for comparison with the disaggregated path: the router drives it exactly as it
-drives a prefill/decode pair (reserve, prefill, decode stream), but the prompt's KV is written
-straight into the reserved pages and the sequence goes on decoding in the same batch, so the
-handoff is `local` and moves no bytes.
+drives a prefill/decode pair (reserve, prefill, decode stream). It is composed of the same
+parts as the two roles: a lease book without a write window (this process writes its own
+pages: the prompt's KV goes straight into the reserved pages), the first-token wait of the
+prefill role and the token stream of the decode role. The handoff is `local` and moves no
+bytes; the sequence keeps decoding in the same batch.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Iterator
 
-from pdserve.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
-from pdserve.common.metrics import count_outcome
-from pdserve.decode.worker import DecodeEvent, DecodeWorker
-from pdserve.engine.loop import SequenceAborted
-from pdserve.engine.sampling import SamplingParams
-from pdserve.prefill.worker import PREFILL_WAIT_S, PrefillResult
-from pdserve.v1 import common_pb2
+from pdserve.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.metrics import WorkerMetrics, count_outcome
+from pdserve.common.tickets import TicketKey
+from pdserve.engine.loop import EngineLoop, Outputs
+from pdserve.worker.leases import Lease, LeaseBook
+from pdserve.worker.pages import EnginePages
+from pdserve.worker.streams import first_output, token_events
+from pdserve.worker.types import (
+    DecodeEvent,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    Reservation,
+    WorkerStats,
+)
 
 
-class ColocatedWorker(DecodeWorker):
+class ColocatedWorker:
     role = "colocated"
 
-    def __init__(self, loop, *, worker_id: str, default_lease_ms: float = 30_000.0):
-        super().__init__(loop, None, worker_id=worker_id, agent_address="local",
-                         default_lease_ms=default_lease_ms)
+    def __init__(self, loop: EngineLoop, *, worker_id: str, default_lease_s: float = 30.0,
+                 prefill_wait_s: float = 300.0, token_wait_s: float = 120.0):
+        self.loop = loop
+        self.engine = loop.engine
+        self.worker_id = worker_id
+        self.model_id = self.engine.pool.fingerprint.model_id
+        self.prefill_wait_s = prefill_wait_s
+        self.token_wait_s = token_wait_s
+        self.epoch = time.time_ns() // 1000
         self.pool_id = "local"
-        self._streams: dict[str, queue.SimpleQueue] = {}
-        self._streams_lock = threading.Lock()
+        self.admitting = True
+        self.metrics = WorkerMetrics(self.role, self.stats)
+        self.leases = LeaseBook(worker_id, self.epoch, EnginePages(loop), None,
+                                default_lease_s=default_lease_s,
+                                on_expired=lambda key: self.metrics.lease_expiries.inc())
+        self._streams: dict[str, Outputs] = {}  # prefilled, waiting for their Decode call
+        self._lock = threading.Lock()
 
-    def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                ticket: common_pb2.Ticket, destination: common_pb2.KVDestination,
-                cancelled: threading.Event | None = None) -> PrefillResult:
+    def register(self) -> None:
+        self.leases.start_reaper()
+
+    # ---- the Decode API's reservation, then the Prefill API ---------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation:
+        if not self.admitting:
+            raise Unavailable(f"co-located worker {self.worker_id} is draining")
+        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s)
+        return Reservation(lease.key, Destination("local", 0, self.pool_id,
+                                                  tuple(lease.page_ids),
+                                                  self.engine.pool.fingerprint))
+
+    def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
-            return self._prefill(request_id, token_ids, params, ticket)
+            return self._prefill(request)
 
-    def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 ticket: common_pb2.Ticket) -> PrefillResult:
+    def _prefill(self, request: PrefillRequest) -> PrefillResult:
         received = time.perf_counter()
-        self._take_reservation(ticket)
-        key = (request_id, self.epoch)
-        try:
-            _, q = self.loop.start_sequence(request_id, lambda e: e.add_request(
-                request_id, token_ids, params, reservation=key))
-        except ValueError as exc:
-            self.loop.submit(lambda e: e.release(key))
-            raise InvalidArgument(str(exc)) from None
-        try:
-            out = q.get(timeout=PREFILL_WAIT_S)
-        except queue.Empty:
-            out = Unavailable(f"prefill of {request_id} did not finish in {PREFILL_WAIT_S:.0f}s")
-        if isinstance(out, BaseException):
-            self._forget(request_id)
-            if isinstance(out, SequenceAborted):
-                raise Aborted(f"prefill of {request_id} was cancelled")
-            raise Unavailable(str(out))
-        if out.finish_reason:
-            self.loop.unsubscribe(request_id)
-        else:
-            with self._streams_lock:
-                self._streams[request_id] = q
-        queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
-        report = common_pb2.TransferReport(transport="local")
-        return PrefillResult(out.token, out.finish_reason, queue_ms, out.prefill_ms, report)
+        rid = request.request_id
 
-    def decode(self, ticket: common_pb2.Ticket, prompt_ids: list[int], first_token: int,
-               params: SamplingParams) -> Iterator[DecodeEvent]:
-        rid = ticket.request_id
-        with self._streams_lock:
-            q = self._streams.pop(rid, None)
-        if q is None:
+        def into_queue(lease: Lease) -> Outputs:  # the prompt's KV goes into the reserved pages
+            try:
+                _, outputs = self.loop.start_sequence(rid, lambda e: e.add_request(
+                    rid, request.token_ids, request.params, reservation=lease.key))
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            return outputs
+
+        outputs = self.leases.adopt(request.ticket, into_queue)
+        try:
+            out = first_output(outputs, rid, self.prefill_wait_s, lambda: None)
+        except BaseException:
+            self._forget(rid)
+            raise
+        if out.finish_reason:
+            self.loop.unsubscribe(rid)
+        else:
+            with self._lock:
+                self._streams[rid] = outputs
+        queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
+        return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
+                             TransferReport(transport="local"))
+
+    def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]:
+        rid = request.ticket.request_id
+        with self._lock:
+            outputs = self._streams.pop(rid, None)
+        if outputs is None:
             raise FailedPrecondition(f"no prefilled sequence {rid} on {self.worker_id}")
         try:
             yield DecodeEvent([], "", 0.0)
-            yield from self._stream(q, rid)
+            yield from token_events(outputs, rid, self.token_wait_s,
+                                    lambda why: self.metrics.finished.labels(why).inc())
         finally:
-            self.loop.unsubscribe(rid)
-            self._abort_sequence(rid)
+            self._forget(rid)
 
+    # ---- cancellation -----------------------------------------------------------------
     def cancel(self, request_id: str) -> None:
         self._forget(request_id)
 
-    def abort(self, ticket: common_pb2.Ticket) -> bool:
-        if self._drop_reservation(ticket.request_id):
+    def abort(self, ticket: TicketKey) -> bool:
+        if self.leases.release(ticket.request_id):
             return True
         return self._forget(ticket.request_id)
 
     def _forget(self, rid: str) -> bool:
-        found = self._abort_sequence(rid)  # wakes a prefill still waiting on it
-        with self._streams_lock:
+        """End the sequence (waking a prefill still waiting on it) and drop its stream."""
+        found = self.loop.abort(rid)
+        if found:
+            self.metrics.finished.labels("abort").inc()
+        with self._lock:
             self._streams.pop(rid, None)
         self.loop.unsubscribe(rid)
         return found
 
-    def stats(self) -> dict:
-        return {**super().stats(), "role": "colocated"}
+    def stats(self) -> WorkerStats:
+        e = self.engine
+        return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
+                           len(e.running), len(e.waiting), e.queued_prompt_tokens,
+                           e.pool.fingerprint, reserved_tickets=len(self.leases))
+
+    def stop(self) -> None:
+        self.admitting = False
+        self.leases.close()

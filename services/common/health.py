@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 POLL_S = 0.05
 
 
-def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
+def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None,
                  service: str = "") -> None:
     """Poll grpc.health.v1 at `address` until SERVING; TimeoutError / RuntimeError otherwise."""
     deadline = time.monotonic() + timeout_s
@@ -21,7 +21,9 @@ def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen |
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the process for {address} exited with status {proc.returncode}")
+                raise RuntimeError(
+                    f"the process for {address} exited with status {proc.returncode}"
+                )
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

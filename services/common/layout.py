@@ -53,3 +53,8 @@ class LayoutFingerprint:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
+
+
+def pages_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Pages that hold `num_tokens` tokens at `block_size` tokens a page (rounded up)."""
+    return -(-num_tokens // block_size)

@@ -36,7 +36,8 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = f"{ts}.{int(record.msecs):03d}Z {record.levelname} {record.name}: {record.getMessage()}"
+        line = (f"{ts}.{int(record.msecs):03d}Z {record.levelname} {record.name}: "
+                f"{record.getMessage()}")
         if record.exc_info:
             line = f"{line}\n{self.formatException(record.exc_info)}"
         return line

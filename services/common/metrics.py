@@ -46,8 +46,8 @@ def count_outcome(counter: Counter) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        code = getattr(exc, "code", None)
-        code = code if isinstance(code, str) else getattr(code, "name", "INTERNAL")
+        status = getattr(exc, "code", None)
+        code = status if isinstance(status, str) else str(getattr(status, "name", "INTERNAL"))
         raise
     finally:
         counter.labels(code).inc()
@@ -127,7 +127,7 @@ class WorkerMetrics:
     """A prefill, decode or co-located worker: engine gauges read from `stats()` at scrape
     time, plus counters the worker bumps at request boundaries."""
 
-    def __init__(self, role: str, stats: Callable[[], Mapping[str, Any]],
+    def __init__(self, role: str, stats: Callable[[], Any],
                  registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.prefills = Counter("pdserve_prefill_requests", "Prefill calls by gRPC status code",
@@ -175,7 +175,7 @@ class AgentMetrics:
 
 # ---- scrape-time gauges ----------------------------------------------------------------
 
-_STATS_GAUGES = (  # (metric, stats() key, help)
+_STATS_GAUGES = (  # (metric, stats() attribute, help)
     ("pdserve_kv_pages_capacity", "num_pages", "KV pages in the worker's pool"),
     ("pdserve_kv_pages_free", "free_pages", "KV pages on the free list"),
     ("pdserve_running_sequences", "running_sequences", "sequences in the running batch"),
@@ -186,17 +186,19 @@ _STATS_GAUGES = (  # (metric, stats() key, help)
 
 
 class _StatsCollector(Collector):
-    def __init__(self, role: str, stats: Callable[[], Mapping[str, Any]]):
+    """Gauges read from a worker's `stats()` (any object with the attributes named in
+    _STATS_GAUGES, e.g. pdserve.worker.types.WorkerStats)."""
+
+    def __init__(self, role: str, stats: Callable[[], Any]):
         self._role = role
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for name, key, help_text in _STATS_GAUGES:
-            if key in stats:
-                yield _gauge(name, help_text, {"role": self._role}, stats[key])
+            yield _gauge(name, help_text, {"role": self._role}, getattr(stats, key))
         yield _gauge("pdserve_kv_pages_used", "KV pages held by sequences or reservations",
-                     {"role": self._role}, stats["num_pages"] - stats["free_pages"])
+                     {"role": self._role}, stats.num_pages - stats.free_pages)
 
 
 class _WorkersCollector(Collector):

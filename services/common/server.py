@@ -1,7 +1,7 @@
 """The one server bootstrap every pdserve service uses.
 
     handle = start("decode", cfg.port, lambda s: add_DecodeServicer_to_server(servicer, s),
-                   ready=worker.is_ready, on_drain=worker.stop_admitting)
+                   ready=lambda: registered, on_drain=stop_admitting)
     return handle.wait()          # blocks until SIGTERM/SIGINT, drains, returns 0
 
 or, when nothing needs the handle, `return serve(...)` with the same arguments.
@@ -12,7 +12,8 @@ NOT_SERVING and follows `ready()` (or turns SERVING at once without it); on SIGT
 health turns NOT_SERVING for good, `on_drain()` runs (stop admitting new work), in-flight calls
 get up to `grace_s` to finish, then the server stops and `wait()` returns 0.
 
-Errors: handlers raise `ServiceError` subclasses; one interceptor turns them into status codes.
+Errors: handlers raise the domain errors of `pdserve.common.errors`; one interceptor turns
+their status name into the gRPC status code.
 The same interceptor runs each handler with its caller's trace (W3C `traceparent` metadata) as
 the current tracing context when tracing is on (pdserve.common.tracing).
 """
@@ -20,7 +21,6 @@ the current tracing context when tracing is on (pdserve.common.tracing).
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import signal
 import threading
@@ -71,16 +71,6 @@ def _guard_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
     return functools.wraps(fn)(stream)
 
 
-def map_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a unary or server-streaming (generator) handler so a raised `ServiceError` becomes
-    `context.abort(code, message)`.
-
-    `start`/`serve` already do this for every handler they host; use the decorator only for
-    servicers hosted some other way.
-    """
-    return (_guard_stream if inspect.isgeneratorfunction(handler) else _guard_unary)(handler)
-
-
 class _Interceptor(grpc.ServerInterceptor):
     """Maps errors for pdserve handlers, counts their in-flight calls (for draining) and runs
     them in their caller's trace."""
@@ -89,7 +79,8 @@ class _Interceptor(grpc.ServerInterceptor):
         self._idle = threading.Condition()
         self._inflight = 0
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Callable[..., Any],
+                          details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None or details.method.startswith("/grpc."):
             return handler  # health and reflection: not work to drain, no domain errors
@@ -101,7 +92,7 @@ class _Interceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream), **kw)
         return handler  # client/bidi streaming: not used by pdserve.v1
 
-    def _unary(self, fn: Callable) -> Callable:
+    def _unary(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = _guard_unary(fn)
 
         def call(request: Any, context: grpc.ServicerContext) -> Any:
@@ -112,7 +103,7 @@ class _Interceptor(grpc.ServerInterceptor):
                 self._exit()
         return call
 
-    def _stream(self, fn: Callable) -> Callable:
+    def _stream(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = _guard_stream(fn)
 
         def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -271,7 +262,7 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
                                                     thread_name_prefix=f"{name}-rpc"),
                          interceptors=(interceptor,), options=SERVER_OPTIONS)
     registrar = _Registrar(server)
-    register(registrar)  # type: ignore[arg-type]
+    register(registrar)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", *registrar.names):

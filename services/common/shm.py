@@ -71,7 +71,7 @@ class SharedSegment:
             self._mmap.close()
         except BufferError:
             pass
-        self._mmap = None
+        self._mmap = None  # type: ignore[assignment]  # closed: nothing maps it any more
 
     def __enter__(self) -> SharedSegment:
         return self

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.common.config import METRICS_PORT_HELP, option, require
-from pdserve.common.worker_main import run_worker
-from pdserve.common.workerconfig import WorkerConfig
+from pdserve.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    import grpc
+    from pdserve.decode.worker import DecodeWorker
+    from pdserve.engine.loop import EngineLoop
 
 
 @dataclass(frozen=True)
@@ -15,25 +21,31 @@ class DecodeConfig(WorkerConfig):
     port: int = option(50071, "gRPC port")
     metrics_port: int = option(9071, METRICS_PORT_HELP)
     lease_ms: float = option(30_000.0, "how long reserved pages wait for their KV handoff (ms)")
+    token_wait_s: float = option(120.0, "longest a stream waits for its next token before "
+                                        "failing (s)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.lease_ms > 0, "lease_ms", self.lease_ms, "> 0")
+        require(self.token_wait_s > 0, "token_wait_s", self.token_wait_s, "> 0")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.decode.servicer import DecodeServicer
     from pdserve.decode.worker import DecodeWorker
     from pdserve.v1 import decode_pb2_grpc
+    from pdserve.worker.main import connect_agent, run_worker
+    from pdserve.worker.servicers import DecodeServicer
 
-    def make(cfg: DecodeConfig, loop, agent, worker_id: str) -> DecodeWorker:
-        return DecodeWorker(loop, agent, worker_id=worker_id, agent_address=cfg.kv_agent,
-                            default_lease_ms=cfg.lease_ms)
+    def make(cfg: DecodeConfig, loop: EngineLoop, worker_id: str) -> DecodeWorker:
+        return DecodeWorker(loop, connect_agent(cfg), worker_id=worker_id,
+                            agent_address=cfg.kv_agent, default_lease_s=cfg.lease_ms / 1e3,
+                            token_wait_s=cfg.token_wait_s)
 
-    def register(worker: DecodeWorker):
-        return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+    def servicers(worker: DecodeWorker) -> Callable[[grpc.Server], None]:
+        return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(
+            DecodeServicer(worker), server)
 
-    return run_worker("decode", DecodeConfig, argv, make, register, __doc__)
+    return run_worker("decode", DecodeConfig, argv, make, servicers, __doc__ or "")
 
 
 if __name__ == "__main__":

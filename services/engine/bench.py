@@ -16,11 +16,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import load_model, resolve_dtype
-from pdserve.engine.pool import pages_for_tokens
+from pdserve.engine.model import PagedCausalLM, load_model, resolve_dtype
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -29,7 +30,8 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_engine(model, prompts, out_tokens: int) -> tuple[float, float]:
+def run_engine(model: PagedCausalLM, prompts: list[list[int]], out_tokens: int
+               ) -> tuple[float, float]:
     """(output tok/s over the whole run, median decode step ms at full batch)."""
     block = 16
     num_pages = len(prompts) * pages_for_tokens(len(prompts[0]) + out_tokens, block) + 8
@@ -53,7 +55,7 @@ def run_engine(model, prompts, out_tokens: int) -> tuple[float, float]:
         engine.close()
 
 
-def _hf_generate(hf, batch: list[list[int]], out_tokens: int) -> float:
+def _hf_generate(hf: Any, batch: list[list[int]], out_tokens: int) -> float:
     ids = torch.tensor(batch)  # equal lengths: left padding is a no-op
     start = time.perf_counter()
     with torch.inference_mode():
@@ -62,18 +64,19 @@ def _hf_generate(hf, batch: list[list[int]], out_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def run_hf_batch1(hf, prompts, out_tokens: int, sample: int) -> float:
+def run_hf_batch1(hf: Any, prompts: list[list[int]], out_tokens: int, sample: int) -> float:
     timed = prompts[:sample]
     elapsed = sum(_hf_generate(hf, [p], out_tokens) for p in timed)
     return len(timed) * out_tokens / elapsed
 
 
-def run_hf_static(hf, prompts, out_tokens: int) -> float:
+def run_hf_static(hf: Any, prompts: list[list[int]], out_tokens: int) -> float:
     return len(prompts) * out_tokens / _hf_generate(hf, prompts, out_tokens)
 
 
-def bare_forward_ms(hf, prompts, context: int, steps: int = 8) -> float:
-    """Median ms of one transformers forward of one token for every sequence, KV cache of `context`."""
+def bare_forward_ms(hf: Any, prompts: list[list[int]], context: int, steps: int = 8) -> float:
+    """Median ms of one transformers forward of one token for every sequence, with a KV cache
+    of `context` tokens."""
     from transformers import DynamicCache
 
     ids = torch.tensor([p[:context] for p in prompts])
@@ -93,8 +96,10 @@ def bare_forward_ms(hf, prompts, context: int, steps: int = 8) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny, small, or a Hugging Face model directory")
-    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--model", default="tiny",
+                        help="tiny, small, or a Hugging Face model directory")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (fp32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -102,16 +107,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests timed for the transformers batch-1 baseline (scaled)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    from pdserve.engine import builtin
+    from pdserve.common.models import resolve_model_name
+    from pdserve.engine.setup import model_dir as ensure_model_dir
     from transformers import AutoModelForCausalLM
 
-    size = args.model if args.model in builtin.SIZES else None
-    model_dir = builtin.ensure(size, progress=lambda m: print(m, file=sys.stderr)) if size \
-        else Path(args.model)
+    ref = resolve_model_name(args.model)
+    model_dir = ensure_model_dir(ref)
     dtype = resolve_dtype(args.dtype, "cpu")
     torch.manual_seed(0)
-    model = load_model(model_dir, dtype=dtype, model_id=builtin.model_name(size) if size else None)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype).eval()
+    model = load_model(model_dir, dtype=dtype, model_id=ref.name if ref.builtin_size else None)
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.embed_tokens.weight.dtype)
+    hf.eval()
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"model {model.model_id} ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params), "
           f"{dtype}, torch threads {torch.get_num_threads()}, prompt {args.prompt_tokens}, "
@@ -130,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
                "step_ms": step_ms, "bare_forward_ms": bare, "step_overhead": step_ms / bare}
         results.append(row)
         print(f"{c:>5} {tok_s:>9.1f} {b1:>9.1f} {static:>10.1f} {row['vs_hf_batch1']:>7.2f} "
-              f"{row['vs_hf_static']:>10.2f} {step_ms:>8.2f} {bare:>8.2f} {row['step_overhead']:>9.2f}",
-              flush=True)
+              f"{row['vs_hf_static']:>10.2f} {step_ms:>8.2f} {bare:>8.2f} "
+              f"{row['step_overhead']:>9.2f}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"model": model.model_id, "dtype": dtype, "results": results},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"model": model.model_id, "dtype": dtype, "results": results}, indent=2)
+        )
         print(f"wrote {args.json}")
     return 0
 

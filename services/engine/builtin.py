@@ -27,10 +27,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from pdserve.common import models
+from pdserve.common.models import BUILTIN_PREFIX, BUILTIN_SIZES
 
 FORMAT_VERSION = 1
-SIZES = ("tiny", "small")
-MODEL_PREFIX = "builtin-"
+SIZES = BUILTIN_SIZES
 SEED = 20240607
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2 in this order
@@ -80,28 +83,17 @@ SHAPES = {
 
 def model_name(size: str) -> str:
     """The served model name of a built-in size: `builtin-tiny`."""
-    return MODEL_PREFIX + _check_size(size)
+    return BUILTIN_PREFIX + _check_size(size)
 
 
-def size_from_model_name(name: str) -> str | None:
-    """The size named by `builtin-<size>`, or None when `name` is not a built-in model."""
-    size = name.removeprefix(MODEL_PREFIX)
-    return size if name.startswith(MODEL_PREFIX) and size in SIZES else None
-
-
-def default_cache_dir() -> Path:
-    """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "pdserve"
-
-
-def ensure(size: str = "tiny", *, cache_dir: Path | None = None, progress: Progress | None = None) -> Path:
+def ensure(size: str = "tiny", *, cache_dir: Path | None = None,
+           progress: Progress | None = None) -> Path:
     """Return the cached directory of `builtin-<size>`, creating it first when missing.
 
     Safe when several processes call it at once: one builds under an exclusive file lock while
     the others wait, and the directory appears only complete (built aside, then renamed).
     """
-    models_dir = Path(cache_dir or default_cache_dir()) / "models"
+    models_dir = Path(cache_dir or models.cache_dir()) / "models"
     target = models_dir / f"{model_name(size)}-v{FORMAT_VERSION}"
     if _is_complete(target):
         return target
@@ -154,7 +146,8 @@ def _build(size: str, shape: Shape, out: Path, report: Progress) -> None:
     del tensors
     builtin = {  # names the model for other code; revision fingerprints the files
         "name": model_name(size), "size": size, "format_version": FORMAT_VERSION, "seed": SEED,
-        "corpus": corpus_name, "corpus_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+        "corpus": corpus_name,
+        "corpus_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
         "num_parameters": num_params,
         "revision": _fingerprint(out / "tokenizer.json", out / "model.safetensors"),
     }
@@ -182,7 +175,7 @@ def _read_corpus(stdlib: Path | None = None) -> tuple[str, list[str]]:
     return f"{len(texts)} Python {version} stdlib files ({total_bytes} bytes)", texts
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
+def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:  # a tokenizers.Tokenizer
     """Train a byte-level BPE: any UTF-8 round-trips, decoding adds no spaces, no BOS added."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -197,7 +190,8 @@ def _train_tokenizer(texts: list[str], vocab_size: int):  # -> tokenizers.Tokeni
 
 
 def _write_tokenizer(texts: list[str], shape: Shape, out: Path) -> int:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the vocab size."""
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the
+    vocabulary size."""
     tokenizer = _train_tokenizer(texts, shape.vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
@@ -206,7 +200,7 @@ def _write_tokenizer(texts: list[str], shape: Shape, out: Path) -> int:
               "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "model_max_length": shape.max_positions}
     _write_json(out / "tokenizer_config.json", config)
-    return tokenizer.get_vocab_size()
+    return int(tokenizer.get_vocab_size())
 
 
 def _param_shapes(shape: Shape, vocab_size: int) -> dict[str, tuple[int, ...]]:
@@ -229,7 +223,7 @@ def _param_shapes(shape: Shape, vocab_size: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _init_weights(shape: Shape, vocab_size: int):  # -> dict[str, torch.Tensor]
+def _init_weights(shape: Shape, vocab_size: int) -> dict[str, Any]:  # name -> torch.Tensor
     """Norm weights are ones; matrices are N(0, init_std) from a generator seeded per name."""
     import torch
 
@@ -245,7 +239,7 @@ def _init_weights(shape: Shape, vocab_size: int):  # -> dict[str, torch.Tensor]
     return tensors
 
 
-def _model_config(shape: Shape, vocab_size: int, builtin: dict) -> dict:
+def _model_config(shape: Shape, vocab_size: int, builtin: dict[str, Any]) -> dict[str, Any]:
     """config.json for LlamaForCausalLM, written by hand so it does not vary with transformers."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -272,7 +266,7 @@ def _fingerprint(*paths: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
@@ -311,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     ensure_cmd = commands.add_parser("ensure", help="the cached model, created when missing")
     ensure_cmd.add_argument("size", nargs="?", default="tiny", choices=SIZES)
-    ensure_cmd.add_argument("--cache-dir", type=Path, help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve")
+    ensure_cmd.add_argument("--cache-dir", type=Path,
+                            help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve")
     create_cmd = commands.add_parser("create", help="write the model into a new directory")
     create_cmd.add_argument("size", choices=SIZES)
     create_cmd.add_argument("out_dir", type=Path)

@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import Hashable, Iterable
 
 import torch
+from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.model import Batch, PagedCausalLM
-from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator, pages_for_tokens
+from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
 
@@ -58,9 +59,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
-        self.reservations: set[Hashable] = set()  # owners of pages reserved for a handoff
         self.stalled = False  # the last step found work but could run none of it
-        self.num_preemptions = 0  # sequences whose pages were taken back, to be recomputed
+        self.num_preemptions = 0  # running sequences sent back to be recomputed (out of pages)
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -72,7 +72,8 @@ class Engine:
                              f"{self.model.max_context}")
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model.vocab_size})")
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.model.vocab_size})")
         # A prefill worker holds only the prompt; the others also grow by the generated tokens.
         total = len(prompt_ids) if self.config.role == "prefill" else min(
             len(prompt_ids) + params.max_tokens, self.model.max_context)
@@ -99,31 +100,41 @@ class Engine:
         return seq
 
     def reserve(self, owner: Hashable, num_prompt_tokens: int) -> list[int]:
-        """Decode role: pages for a prompt's KV before it is prefilled elsewhere.
+        """Decode role: pages for a prompt's KV before it is prefilled elsewhere, held under
+        `owner` (a reservation key, never a sequence id) until `adopt`ed or freed.
 
         OutOfPages when the pages are not free, or when `max_num_seqs` sequences are already
         running, waiting or reserved.
         """
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
-        live = len(self.running) + len(self.waiting) + len(self.reservations)
+        live = len(self.running) + len(self.waiting) + self.num_reserved
         if live >= self.config.max_num_seqs:
             raise OutOfPages(f"{live} sequences running or reserved (max_num_seqs "
                              f"{self.config.max_num_seqs})")
-        pages = self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens,
-                                                                self.config.block_size))
-        self.reservations.add(owner)
-        return pages
+        return self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens,
+                                                               self.config.block_size))
 
-    def release(self, owner: Hashable) -> int:
-        """Free a reservation's (or a prefilled sequence's) pages; returns how many."""
-        seq = self.seqs.get(owner) if isinstance(owner, str) else None
-        if seq is not None and seq.status is Status.PREFILLED:
-            num_pages = len(self.allocator.pages_of(owner))
-            self._finish(seq, seq.finish_reason or "handoff")
-            return num_pages
-        self.reservations.discard(owner)
+    @property
+    def num_reserved(self) -> int:
+        """Reservations holding pages that no sequence owns yet."""
+        return sum(1 for owner in self.allocator.owners() if owner not in self.seqs)
+
+    def free_reservation(self, owner: Hashable) -> int:
+        """Return the pages of a reservation that no sequence adopted; returns how many."""
+        if owner in self.seqs:
+            raise ValueError(f"{owner!r} is a sequence, not a reservation")
         return self.allocator.free(owner)
+
+    def release_prefilled(self, seq_id: str) -> int:
+        """Prefill role: free a prefilled sequence's pages once they were handed off (or the
+        handoff was given up); returns how many (0 when it is not here any more)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status is not Status.PREFILLED:
+            return 0
+        num_pages = self.allocator.num_pages_of(seq_id)
+        self._finish(seq, seq.finish_reason or "handoff")
+        return num_pages
 
     def add_prefilled(self, seq_id: str, reservation: Hashable, prompt_ids: list[int],
                       first_token: int, params: SamplingParams) -> str | None:
@@ -151,9 +162,9 @@ class Engine:
         expected = pages_for_tokens(num_prompt_tokens, self.config.block_size)
         held = len(self.allocator.pages_of(reservation))
         if held != expected:
-            raise ValueError(f"reservation {reservation!r} holds {held} pages, the prompt needs {expected}")
+            raise ValueError(f"reservation {reservation!r} holds {held} pages, "
+                             f"the prompt needs {expected}")
         self.allocator.transfer(reservation, seq_id)
-        self.reservations.discard(reservation)
 
     def abort(self, seq_id: str) -> bool:
         seq = self.seqs.get(seq_id)
@@ -224,7 +235,7 @@ class Engine:
             for seq, token in zip(seqs, tokens):
                 self.waiting.remove(seq)
                 out = self._append(seq, token, (end - start) * 1e3, prefill=True)
-                out.prefill_ms = (end - seq.prefill_started_at) * 1e3
+                out.prefill_ms = (end - (seq.prefill_started_at or start)) * 1e3
                 seq.prefill_started_at = None  # a recompute after preemption measures anew
                 outputs.append(out)
         return outputs

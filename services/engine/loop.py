@@ -17,6 +17,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.sequence import StepOutput
 
 T = TypeVar("T")
+# One sequence's results, in order: its step outputs, or the exception that ended it.
+Outputs = queue.SimpleQueue[StepOutput | BaseException]
 log = logging.getLogger("pdserve.engine.loop")
 
 
@@ -34,7 +36,7 @@ class EngineLoop:
         self._tick_s = tick_s
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queues: dict[str, queue.SimpleQueue[StepOutput | BaseException]] = {}
+        self._queues: dict[str, Outputs] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -56,7 +58,7 @@ class EngineLoop:
             return result
 
     def start_sequence(self, seq_id: str, fn: Callable[[Engine], T]
-                       ) -> tuple[T, queue.SimpleQueue[StepOutput | BaseException]]:
+                       ) -> tuple[T, Outputs]:
         """Run `fn(engine)` (which adds `seq_id`) and subscribe to its outputs, atomically.
 
         Raises ValueError, touching nothing, when `seq_id` is already live here: a duplicate
@@ -66,7 +68,7 @@ class EngineLoop:
             if seq_id in self._queues:
                 raise ValueError(f"sequence {seq_id!r} already exists")
             result = fn(self.engine)
-            q: queue.SimpleQueue[StepOutput | BaseException] = queue.SimpleQueue()
+            q: Outputs = queue.SimpleQueue()
             self._queues[seq_id] = q
             self._wake.notify()
             return result, q
@@ -97,7 +99,7 @@ class EngineLoop:
                         (out.seq_id, out) for out in self.engine.step()]
                 except Exception as exc:  # a failed step must not leave callers waiting forever
                     log.exception("engine step failed")
-                    results = self._fail_all(exc)
+                    results = list(self._fail_all(exc))
                 if self.engine.stalled:
                     # Work is waiting for pages held elsewhere (a handoff, a reservation):
                     # sleep until something changes instead of spinning.

@@ -13,10 +13,12 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from pdserve.engine.pool import DTYPES, LayoutFingerprint
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.engine.pool import DTYPES
 from torch import nn
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -35,16 +37,19 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def read_config(model_dir: Path) -> dict:
+def read_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
-    return json.loads(path.read_text())
+        raise FileNotFoundError(
+            f"{model_dir} is not a Hugging Face model directory (no config.json)"
+        )
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
 
-def check_architecture(config: dict, model_dir: Path) -> str:
+def check_architecture(config: dict[str, Any], model_dir: Path) -> str:
     archs = config.get("architectures") or [config.get("model_type", "?")]
-    arch = archs[0]
+    arch = str(archs[0])
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
             f"architecture {arch!r} in {model_dir} is not supported; "
@@ -94,7 +99,21 @@ class Batch:
 class PagedCausalLM(nn.Module):
     """A Llama-family decoder whose attention reads and writes the paged KV pool."""
 
-    def __init__(self, hf_model: nn.Module, model_id: str, revision: str):
+    # Plain attributes (nn.Module's __getattr__ would type them Tensor | Module).
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    rotary_emb: nn.Module
+    lm_head: nn.Linear
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    vocab_size: int
+    max_context: int
+
+    def __init__(self, hf_model: Any, model_id: str, revision: str):
         super().__init__()
         cfg = hf_model.config
         inner = hf_model.model
@@ -125,7 +144,8 @@ class PagedCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: torch.Tensor) -> torch.Tensor:
-        """Run the batch, writing its new K/V into `kv` pages; logits of each last new token [S, V]."""
+        """Run the batch, writing its new K/V into `kv` pages; the logits of each sequence's last
+        new token [S, V]."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         S, T = batch.input_ids.shape
@@ -136,6 +156,7 @@ class PagedCausalLM(nn.Module):
         slot_pages, slot_offsets, valid = self._write_slots(batch, block)
         pages = batch.block_tables.flatten()
         key_buf, value_buf = self._workspace(pages.numel(), kv.shape[3:], kv.dtype, kv.device)
+        layer: Any  # transformers' decoder layer (untyped)
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -157,7 +178,8 @@ class PagedCausalLM(nn.Module):
             hidden = hidden + out
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = hidden[torch.arange(S, device=hidden.device), batch.query_lens - 1]
-        return self.lm_head(self.norm(last)).float()
+        logits: torch.Tensor = self.lm_head(self.norm(last)).float()
+        return logits
 
     def _workspace(self, num_pages: int, page_shape: torch.Size, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +197,15 @@ class PagedCausalLM(nn.Module):
         return (ws[:half].view(num_pages, *page_shape), ws[half:need].view(num_pages, *page_shape))
 
     @staticmethod
-    def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor, S: int) -> torch.Tensor:
+    def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor,
+                S: int) -> torch.Tensor:
         """[S, kv_heads, tokens, head_dim] view of the pages' K (or V), copied into `out`."""
         torch.index_select(pages_kv, 0, pages, out=out)
         return out.view(S, -1, *out.shape[2:]).transpose(1, 2)
 
     def _attention_mask(self, batch: Batch, block: int) -> torch.Tensor:
-        """[S, 1, T, K] boolean: key j visible to query t iff j <= pos(t) (and inside the window)."""
+        """[S, 1, T, K] boolean: key j visible to query t iff j <= pos(t) (and inside the
+        window)."""
         K = batch.block_tables.shape[1] * block
         key_pos = torch.arange(K, device=batch.positions.device)
         q_pos = batch.positions[:, :, None]
@@ -190,7 +214,8 @@ class PagedCausalLM(nn.Module):
             mask &= key_pos[None, None, :] > q_pos - self.sliding_window
         return mask[:, None]
 
-    def _write_slots(self, batch: Batch, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _write_slots(self, batch: Batch, block: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page and in-page offset for every real (unpadded) new token, and their flat indices."""
         S, T = batch.input_ids.shape
         real = torch.arange(T, device=batch.positions.device)[None, :] < batch.query_lens[:, None]
@@ -211,6 +236,6 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: str = "cpu",
     check_architecture(config, model_dir)
     dtype = resolve_dtype(dtype, device)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
-    hf.to(device).eval()
+    cast(Any, hf).to(device).eval()
     name = model_id or model_dir.resolve().name
     return PagedCausalLM(hf, name, model_revision(model_dir)).eval()

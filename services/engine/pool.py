@@ -1,10 +1,10 @@
-"""The paged KV pool, its page allocator and its layout fingerprint.
+"""The paged KV pool and its page allocator (the layout itself is `common/layout.py`).
 
 A page holds K and V of `block_size` consecutive tokens for all layers, contiguous:
 `[num_layers, 2, block_size, num_kv_heads, head_dim]`. The pool is one tensor of `num_pages`
 pages in memory the host's kvtransfer agent can map without a copy: a POSIX shared-memory
-segment on CPU, device memory exportable over CUDA IPC on GPU. Page i starts at byte
-`i * page_bytes` of the segment.
+segment on CPU, where page i starts at byte `i * page_bytes`. A GPU pool is plain device
+memory; the agents do not move GPU pools yet.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pdserve.common.shm import SharedSegment
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-__all__ = ["DTYPES", "KVPool", "LayoutFingerprint", "OutOfPages", "PageAllocator", "pages_for_tokens"]
 
 
 class OutOfPages(RuntimeError):
@@ -63,6 +62,9 @@ class PageAllocator:
     def num_pages_of(self, owner: Hashable) -> int:
         return len(self._owned.get(owner, ()))
 
+    def owners(self) -> list[Hashable]:
+        return list(self._owned)
+
     def owns(self, owner: Hashable) -> bool:
         return owner in self._owned
 
@@ -77,10 +79,6 @@ class PageAllocator:
         pages = self._owned.pop(owner, [])
         self._free.extend(pages)
         return len(pages)
-
-
-def pages_for_tokens(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class KVPool:
@@ -110,16 +108,6 @@ class KVPool:
     @property
     def shm_name(self) -> str:
         return self.segment.name if self.segment else ""
-
-    def cuda_ipc_handle(self) -> bytes:
-        """Serialized CUDA IPC handle of the pool's device memory (GPU pools only)."""
-        if self.device.type != "cuda":
-            raise ValueError("CUDA IPC handles exist for GPU pools only")
-        import pickle
-
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return pickle.dumps(reduce_tensor(self.tensor))
 
     def close(self) -> None:
         self.tensor = None  # type: ignore[assignment]

@@ -2,38 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
+from pdserve.common.sampling import SamplingParams
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens. temperature 0 is greedy; top_k 0 is off."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+__all__ = ["SamplingParams", "make_generator", "sample"]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -12,7 +12,7 @@ from pdserve.engine.sampling import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"      # has tokens whose KV is not in pages yet (new, or preempted)
     RUNNING = "running"      # in the decode batch
-    PREFILLED = "prefilled"  # prefill role: prompt KV in pages, first token sampled, awaiting handoff
+    PREFILLED = "prefilled"  # prefill role: prompt KV in pages, first token out, before handoff
     FINISHED = "finished"
 
 

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.engine import builtin
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import PagedCausalLM, load_model
 
 
-def resolve_model_dir(model: str) -> Path:
-    """`tiny`/`small` (or `builtin-tiny`) → the cached built-in model; else a local directory."""
-    size = builtin.size_from_model_name(model) or (model if model in builtin.SIZES else None)
-    if size:
-        return builtin.ensure(size, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model {model!r} is neither a built-in size ({', '.join(builtin.SIZES)}) "
-                                "nor a local Hugging Face directory with config.json")
-    return path
+def model_dir(ref: ModelRef, progress: Callable[[str], None] | None = None) -> Path:
+    """The directory of a resolved model, creating a built-in one on first use."""
+    if ref.builtin_size:
+        report = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+        return builtin.ensure(ref.builtin_size, progress=report)
+    assert ref.path is not None
+    return ref.path
 
 
 def eos_token_ids(model_dir: Path) -> list[int]:
@@ -45,13 +44,14 @@ def num_pages_for(model: PagedCausalLM, block_size: int, num_pages: int, kv_cach
 
 def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "cpu",
                  block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 512,
-                 chunk_size: int = 512, max_num_seqs: int = 256) -> tuple[Engine, Path]:
-    model_dir = resolve_model_dir(model)
-    size = builtin.size_from_model_name(model) or (model if model in builtin.SIZES else None)
-    loaded = load_model(model_dir, dtype=dtype, device=device,
-                        model_id=builtin.model_name(size) if size else None)
+                 chunk_size: int = 512, max_num_seqs: int = 256,
+                 max_prefill_tokens: int = 2048) -> tuple[Engine, Path]:
+    ref = resolve_model_name(model)
+    directory = model_dir(ref)
+    loaded = load_model(directory, dtype=dtype, device=device,
+                        model_id=ref.name if ref.builtin_size else None)
     config = EngineConfig(role=role, block_size=block_size,
                           num_pages=num_pages_for(loaded, block_size, num_pages, kv_cache_mb),
                           chunk_size=chunk_size, max_num_seqs=max_num_seqs,
-                          max_prefill_tokens=max(chunk_size, 2048))
-    return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(model_dir)), model_dir
+                          max_prefill_tokens=max_prefill_tokens)
+    return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(directory)), directory

@@ -21,8 +21,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from pdserve.common import tracing
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import AgentMetrics
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import (
     BadRequest,
     PeerUnavailable,
@@ -32,9 +35,9 @@ from pdserve.kvtransfer.errors import (
     cause,
 )
 from pdserve.kvtransfer.peers import PeerDirectory
-from pdserve.kvtransfer.pool import Fingerprint, Pool, expect_same
+from pdserve.kvtransfer.pool import Pool, expect_same
 from pdserve.kvtransfer.runs import check_page_ids, coalesce, expand
-from pdserve.kvtransfer.tickets import Status, TicketBook, TicketKey
+from pdserve.kvtransfer.tickets import Status, TicketBook
 from pdserve.kvtransfer.traced import traced_sink
 from pdserve.kvtransfer.transport import IncomingWrite, PeerContact, Transport
 from pdserve.kvtransfer.wire import MAX_RUNS, WriteHeader
@@ -44,26 +47,6 @@ log = logging.getLogger("pdserve.kvtransfer")
 SWEEP_INTERVAL_S = 0.25
 MAX_LEASE_S = 3600.0
 LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a sender gives up
-
-
-@dataclass(frozen=True)
-class Destination:
-    """Where a handoff lands (the proto's KVDestination)."""
-
-    agent_address: str
-    agent_epoch: int
-    pool_id: str
-    page_ids: tuple[int, ...]
-    fingerprint: Fingerprint | None
-
-
-@dataclass(frozen=True)
-class TransferReport:
-    handoff_ms: float
-    kv_bytes: int
-    kv_pages: int
-    transport: str  # "ucx", "tcp" or "local"
-    num_runs: int
 
 
 @dataclass(frozen=True)
@@ -127,7 +110,7 @@ class Agent:
                          self._contact.tcp_address, self.transport.name, pool_ids)
 
     def register_pool(self, worker_id: str, shm_name: str, num_pages: int, page_bytes: int,
-                      fingerprint: Fingerprint) -> str:
+                      fingerprint: LayoutFingerprint) -> str:
         """Map a worker's pool; returns its pool id. A worker's newer pool replaces its older."""
         if not worker_id or not shm_name:
             raise BadRequest("worker_id and shm_name are required")

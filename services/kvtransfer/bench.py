@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.common.layout import DTYPE_BYTES
+from pdserve.common.layout import DTYPE_BYTES, pages_for_tokens
 from pdserve.common.shm import SharedSegment
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -62,7 +62,7 @@ class AgentPair:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -97,7 +97,7 @@ def _agent(transport: str) -> Iterator[tuple[str, kvtransfer_pb2_grpc.KVTransfer
             proc.kill()
 
 
-def _raw_tcp_server(port_q: mp.Queue, nbytes: int) -> None:
+def _raw_tcp_server(port_q: mp.Queue[int], nbytes: int) -> None:
     """Child process: receive length-prefixed payloads into one preallocated buffer."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port_q.put(server.getsockname()[1])
@@ -129,7 +129,7 @@ class RawTcp:
     def copy_ms(self, data: np.ndarray) -> float:
         started = time.perf_counter()
         self.conn.sendall(data.nbytes.to_bytes(8, "little"))
-        self.conn.sendall(memoryview(data))
+        self.conn.sendall(data.data)
         if self.conn.recv(1) != b"k":
             raise RuntimeError("raw TCP peer went away")
         return (time.perf_counter() - started) * 1e3
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         num_kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, tp_size=1)
     page_bytes = (args.layers * 2 * args.block_size * args.kv_heads * args.head_dim
                   * DTYPE_BYTES[args.dtype])
-    max_pages = max(-(-n // args.block_size) for n in args.prompts)
+    max_pages = max(pages_for_tokens(n, args.block_size) for n in args.prompts)
     rng = np.random.default_rng(0)
     results: list[Row] = []
     with ExitStack() as stack:
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         stack.callback(raw.close)
         ticket_no = 0
         for tokens in args.prompts:
-            n = -(-tokens // args.block_size)
+            n = pages_for_tokens(tokens, args.block_size)
             pages = list(range(n))
             dst_pages = list(rng.permutation(max_pages)[:n]) if args.fragmented else pages
             dst_pages = [int(p) for p in dst_pages]

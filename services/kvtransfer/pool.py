@@ -16,10 +16,6 @@ from pdserve.kvtransfer.errors import BadRequest, LayoutMismatch
 log = logging.getLogger("pdserve.kvtransfer")
 
 
-
-Fingerprint = LayoutFingerprint
-
-
 def expect_same(mine: LayoutFingerprint, theirs: LayoutFingerprint, mine_name: str,
                 theirs_name: str) -> None:
     """Raise LayoutMismatch naming each differing field as `field: mine != theirs`."""
@@ -42,7 +38,7 @@ class Pool:
     """A local worker's pool, attached by shared-memory name (the worker owns the segment)."""
 
     def __init__(self, pool_id: str, worker_id: str, shm_name: str, num_pages: int,
-                 page_bytes: int, fingerprint: Fingerprint):
+                 page_bytes: int, fingerprint: LayoutFingerprint):
         if num_pages <= 0 or page_bytes <= 0:
             raise BadRequest(f"num_pages and page_bytes must be > 0, got {num_pages} and "
                              f"{page_bytes}")

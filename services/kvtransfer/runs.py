@@ -28,15 +28,6 @@ class PageRun:
         return self.dst_start + self.num_pages
 
 
-@dataclass(frozen=True)
-class ByteRun:
-    """A run as byte offsets into the two pools' memory."""
-
-    src_offset: int
-    dst_offset: int
-    nbytes: int
-
-
 def check_page_ids(page_ids: Sequence[int], num_pages: int, what: str) -> None:
     """Raise ValueError naming `what` unless every id is in [0, num_pages) and unique."""
     seen: set[int] = set()
@@ -70,14 +61,6 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun
     if length:
         runs.append(PageRun(start_src, start_dst, length))
     return runs
-
-
-def byte_runs(runs: Sequence[PageRun], page_bytes: int) -> list[ByteRun]:
-    """The byte ranges of `runs` in pools whose page i starts at `i * page_bytes`."""
-    if page_bytes <= 0:
-        raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
-    return [ByteRun(r.src_start * page_bytes, r.dst_start * page_bytes, r.num_pages * page_bytes)
-            for r in runs]
 
 
 def expand(spans: Sequence[tuple[int, int]]) -> list[int]:

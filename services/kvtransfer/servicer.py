@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 import grpc
 from pdserve.common import errors as svc
 from pdserve.common import tracing
+from pdserve.common.handoff import Destination
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer import errors
-from pdserve.kvtransfer.agent import Agent, Destination
-from pdserve.kvtransfer.pool import Fingerprint
-from pdserve.kvtransfer.tickets import TicketKey
+from pdserve.kvtransfer.agent import Agent
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -55,9 +56,9 @@ def ticket_key(ticket: common_pb2.Ticket) -> TicketKey:
     return TicketKey(ticket.request_id, ticket.epoch)
 
 
-def fingerprint(fp: common_pb2.LayoutFingerprint) -> Fingerprint:
+def fingerprint(fp: common_pb2.LayoutFingerprint) -> LayoutFingerprint:
     try:
-        return Fingerprint(fp.model_id, fp.model_revision, fp.dtype, fp.num_layers,
+        return LayoutFingerprint(fp.model_id, fp.model_revision, fp.dtype, fp.num_layers,
                            fp.num_kv_heads, fp.head_dim, fp.block_size, fp.tp_rank, fp.tp_size)
     except ValueError as exc:
         raise errors.BadRequest(f"fingerprint: {exc}") from None

@@ -186,10 +186,11 @@ class TcpTransport(Transport):
             return True
         _send_reply(conn, Reply("ready"))
         deadline = time.monotonic() + receive_deadline_s(header)
-        ok, in_step, error, received = False, False, None, 0
+        ok, in_step, received = False, False, 0
+        error: KvTransferError | None = None
         try:
             for view in write.dst_views:
-                dst = memoryview(view).cast("B")
+                dst = view.data.cast("B")
                 _recv_into(conn, dst, deadline, write.abort)
                 received += len(dst)
             ok = in_step = True
@@ -214,7 +215,7 @@ class TcpTransport(Transport):
 
 def _send_all(conn: socket.socket, data: bytes | np.ndarray, deadline: float,
               liveness: Liveness | None) -> None:
-    view = memoryview(data).cast("B")
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     sent, next_check = 0, time.monotonic() + LIVENESS_INTERVAL_S
     conn.settimeout(SLICE_S)
     while sent < len(view):

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import (
     BadRequest,
     TicketBusy,
@@ -30,14 +30,6 @@ from pdserve.kvtransfer.errors import (
     TransferTimeout,
     UnknownTicket,
 )
-
-
-class TicketKey(NamedTuple):
-    request_id: str
-    epoch: int
-
-    def __str__(self) -> str:
-        return f"{self.request_id}@{self.epoch}"
 
 
 class State(enum.Enum):

@@ -149,7 +149,7 @@ class UcxTransport(Transport):
         except KvTransferError:
             self._retire([(ready, _tag(_READY, xfer))], REPLY_BYTES)
             raise
-        Reply.decode(ready_buf).raise_if_error()
+        Reply.decode(ready_buf.data).raise_if_error()
         done_buf = np.zeros(REPLY_BYTES, dtype=np.uint8)
         done = self._recv(done_buf, _tag(_DONE, xfer))
         sends = [self._send(ep, view, _tag(_DATA, xfer, i)) for i, view in enumerate(src_views)]
@@ -158,7 +158,7 @@ class UcxTransport(Transport):
         except KvTransferError:
             self._retire([(done, _tag(_DONE, xfer))], REPLY_BYTES)
             raise
-        reply = Reply.decode(done_buf)
+        reply = Reply.decode(done_buf.data)
         reply.raise_if_error()
         self._wait(sends, time.monotonic() + 1.0, doing="completing the sends")
 
@@ -177,7 +177,7 @@ class UcxTransport(Transport):
                 return
             try:
                 req.check_error()
-                header = WriteHeader.decode(buf[:WriteHeader.size(bytes(buf[:PREFIX_BYTES]))])
+                header = WriteHeader.decode(buf[:WriteHeader.size(bytes(buf[:PREFIX_BYTES]))].data)
                 ep = self._endpoint(header.reply_to)
             except (self._api.UCXError, KvTransferError) as exc:
                 log.warning("dropped a KV header that cannot be answered: %s", exc)

@@ -23,9 +23,9 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import BadRequest, KvTransferError, from_wire
-from pdserve.kvtransfer.pool import Fingerprint
-from pdserve.kvtransfer.tickets import TicketKey
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -45,7 +45,7 @@ class WriteHeader:
     ticket: TicketKey
     dst_agent_epoch: int
     dst_pool_id: str
-    fingerprint: Fingerprint  # the source pool's layout
+    fingerprint: LayoutFingerprint  # the source pool's layout
     page_bytes: int
     dst_runs: tuple[tuple[int, int], ...]  # (first destination page, number of pages), in send order
     timeout_ms: float  # how long the sender will wait; the receiver waits no longer
@@ -76,7 +76,7 @@ class WriteHeader:
             raise BadRequest(f"not a pdserve KV header (magic {magic!r}, version {version})")
         if body_len > MAX_BODY_BYTES or num_runs > MAX_RUNS:
             raise BadRequest(f"KV header too large ({body_len} bytes of JSON, {num_runs} runs)")
-        return _PREFIX.size + body_len + 8 * num_runs
+        return int(_PREFIX.size + body_len + 8 * num_runs)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> WriteHeader:
@@ -94,7 +94,7 @@ class WriteHeader:
                 xfer_id=int(body["xfer_id"]),
                 ticket=TicketKey(str(body["request_id"]), int(body["ticket_epoch"])),
                 dst_agent_epoch=int(body["dst_agent_epoch"]), dst_pool_id=str(body["dst_pool_id"]),
-                fingerprint=Fingerprint(**body["fingerprint"]), page_bytes=int(body["page_bytes"]),
+                fingerprint=LayoutFingerprint(**body["fingerprint"]), page_bytes=int(body["page_bytes"]),
                 dst_runs=tuple((int(a), int(b)) for a, b in runs.reshape(-1, 2)),
                 timeout_ms=float(body["timeout_ms"]),
                 reply_to=base64.b64decode(body["reply_to"]),

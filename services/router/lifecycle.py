@@ -1,61 +1,51 @@
-"""Everything the router does for one Generate call.
+"""Everything the router does for one Generate call, whatever the front door.
 
-    validate + tokenize -> reserve on decode D + prefill on P (handoff.py, retried there)
-    -> D.Decode(ticket, prompt ids, first token): its first message says the sequence is live
-    -> first token (sampled by prefill) sent as the first delta, then Timing
-    -> D streams tokens 2..n
-    -> detokenize, stop strings, max_tokens -> deltas -> Finish
+    validate + tokenize -> AttemptRunner (attempts.py): reserve on decode D, prefill on P,
+    and, unless the first token ends the request, D's Decode stream open and live
+    -> first token (sampled by prefill) sent as the first Delta, then Timing
+    -> D streams tokens 2..n -> detokenize, stop strings, max_tokens -> Deltas -> Finish
 
-Stream order, always: delta(first token), Timing, deltas..., Finish. The first delta and
-Timing are sent when decode's first DecodeResponse arrives (it carries decode_start_ms), so
-TTFT = queue + prefill + kv_transfer + decode_start + the router's own time; when the request ends at the first token (EOS, stop string, max_tokens=1) decode is
-never started, its reservation is released, and Timing follows the first delta with
-decode_start_ms 0. The first delta's text may be "" (a partial character, or text held back as
-a possible stop string) but it always carries the token id, so TTFT is the first token's.
+Stream order, always: Delta(first token), Timing, Deltas..., Finish. The first Delta and
+Timing are sent once decode says the sequence is live (its first message carries
+decode_start_ms), so TTFT = queue + prefill + kv_transfer + decode_start + the router's own
+time; when the request ends at the first token (EOS, stop string, max_tokens=1) decode is never
+started, its reservation is released, and Timing has decode_start_ms 0. The first Delta's text
+may be "" (a partial character, or text held back as a possible stop string) but it always
+carries the token id, so TTFT is the first token's.
 
-After the first delta, a failure ends the stream with an error status (no retry: output is
-never repeated). Client cancellation cancels the in-flight Prefill or Decode call and aborts
-the ticket on D. A stop string (or EOS / max_tokens seen first by the router) aborts the
-ticket at once so D frees its pages. One log line per request outcome (with its trace_id when
-traced).
+After the first Delta, a failure ends the stream with an error (no retry: output is never
+repeated). Client cancellation cancels the in-flight call and aborts the ticket on D. A stop
+string (or EOS / max_tokens seen first by the router) aborts the ticket at once so D frees its
+pages. One log line per request outcome, with its trace_id when traced, from the typed
+`RequestRecord` that the span and the metrics read too.
 
 Tracing: one server span router.generate per request (continuing the client's traceparent),
-with router.admission, router.reserve / router.prefill per attempt (handoff.py) and
-router.decode_stream as children; the outcome's fields become its attributes.
+with router.admission, router.reserve / router.prefill / router.decode_stream per attempt as
+children.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 import grpc
 from pdserve.common import tracing
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
+from pdserve.router.api import Delta, Finish, GenerateInput, StreamEvent, Timing
+from pdserve.router.attempts import AttemptRunner, DecodeStream, Started
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.detokenizer import OutputText
-from pdserve.router.handoff import Handoff, HandoffRunner, Reservation
 from pdserve.router.pool import WorkerPool
+from pdserve.router.record import RequestRecord
 from pdserve.router.timing import TokenClock, queue_ms
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import Generation, validate
-from pdserve.v1 import decode_pb2, router_pb2
 
 log = logging.getLogger("pdserve.router")
-
-
-# Decode failing before its first message: the worker died, or the handoff's lease or data
-# did not hold. Nothing was streamed, so another attempt is still allowed.
-DECODE_START_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION})
-
-
-class DecodeDidNotStart(Exception):
-    """Decode failed before the sequence was live: no token has been sent to the client."""
 
 
 class Completion:
@@ -68,8 +58,14 @@ class Completion:
         self._text = OutputText(tokenizer, gen.prompt_ids, gen.stop)
         self.tokens = 0
         self.finish_reason = ""
+        self.first_text = ""  # what the first token's Delta carries
 
-    def accept(self, token_ids: Any) -> tuple[list[int], str]:
+    def accept_first(self, token: int) -> bool:
+        """Take the first token (sampled by prefill); True when it already ends the request."""
+        _, self.first_text = self.accept([token])
+        return bool(self.finish_reason)
+
+    def accept(self, token_ids: Iterable[int]) -> tuple[list[int], str]:
         """Take tokens until finished; return those taken and the text to send for them."""
         taken: list[int] = []
         pieces: list[str] = []
@@ -107,7 +103,7 @@ class Lifecycle:
         self.metrics = metrics or RouterMetrics()
         self._tokenizer = tokenizer
         self._clock = clock
-        self._runner = HandoffRunner(pool, max_retries=max_retries, clock=clock,
+        self._runner = AttemptRunner(pool, max_retries=max_retries, clock=clock,
                                      reserve_timeout_s=reserve_timeout_s,
                                      prefill_timeout_s=prefill_timeout_s)
         self._draining = False
@@ -116,14 +112,14 @@ class Lifecycle:
         """Refuse new requests (UNAVAILABLE); those in flight continue."""
         self._draining = True
 
-    def generate(self, request: router_pb2.GenerateRequest, scope: CallScope,
-                 received: float | None = None) -> Iterator[router_pb2.GenerateResponse]:
-        """The response stream of one request. Raises `ServiceError` for a failed request;
-        ends quietly when the client cancelled."""
+    def generate(self, request: GenerateInput, scope: CallScope,
+                 received: float | None = None) -> Iterator[StreamEvent]:
+        """The event stream of one request. Raises `ServiceError` for a failed request; ends
+        quietly when the client cancelled."""
         received = self._clock() if received is None else received
         span = tracing.start_span("router.generate", kind=tracing.SERVER, model=self.model_name)
-        fields: dict[str, Any] = {"request_id": request.request_id or "-", "status": "OK",
-                                  **tracing.log_fields(span)}
+        record = RequestRecord(request_id=request.request_id or "-",
+                               trace_id=tracing.log_fields(span).get("trace_id", ""))
         self.metrics.started()
         try:
             with tracing.current(span):  # no yield inside: children of router.generate
@@ -132,174 +128,149 @@ class Lifecycle:
                         raise Unavailable("the router is draining; send the request to another "
                                           "replica")
                     gen = validate(request, self._tokenizer, self.model_name)
-                fields.update(request_id=gen.request_id, prompt_tokens=len(gen.prompt_ids))
-                handoff = self._runner.run(gen, scope)
-            while True:
-                try:
-                    with scope.guard(handoff.reservation.release_nowait):
-                        yield from self._stream(gen, handoff, scope, received, fields, span)
-                    break
-                except DecodeDidNotStart as failure:
-                    # No token reached the client yet: the whole handoff may go elsewhere.
-                    log.info("request %s: %s; retrying", gen.request_id, failure)
-                    fields.pop("completion_tokens", None)  # nothing of that attempt was sent
-                    with tracing.current(span):
-                        handoff = self._runner.run(gen, scope, first_attempt=handoff.attempts + 1,
-                                                   avoid_decode={handoff.reservation.address},
-                                                   earlier=[str(failure)])
+                record.request_id, record.prompt_tokens = gen.request_id, len(gen.prompt_ids)
+                completions: list[Completion] = []
+
+                def ends_at_first_token(token: int) -> bool:  # a fresh count per attempt
+                    completions.append(Completion(gen, self._tokenizer))
+                    return completions[-1].accept_first(token)
+
+                started = self._runner.run(gen, scope, ends_at_first_token)
+            with scope.guard(started.reservation.release_nowait):
+                yield from self._stream(gen, started, completions[-1], scope, received, record,
+                                        span)
         except (ClientCancelled, GeneratorExit) as exc:
-            fields["status"] = "CANCELLED"
+            record.status = "CANCELLED"
             tracing.record_error(span, exc)
             if isinstance(exc, GeneratorExit):
                 raise
         except ServiceError as exc:
-            fields.update(status=exc.code, error=exc.message)
+            record.status, record.error = exc.code, exc.message
             tracing.record_error(span, exc)
             raise
         except Exception as exc:
-            fields.update(status="INTERNAL", error=repr(exc))
+            record.status, record.error = "INTERNAL", repr(exc)
             tracing.record_error(span, exc)
             raise
         finally:
-            fields["e2e_ms"] = round((self._clock() - received) * 1000.0, 3)
+            record.e2e_ms = (self._clock() - received) * 1000.0
+            fields = record.fields()
             span.set_attributes(fields)
             span.end()
-            level = logging.INFO if fields["status"] in ("OK", "CANCELLED") else logging.WARNING
+            level = logging.INFO if record.status in ("OK", "CANCELLED") else logging.WARNING
             outcome(log, "generate", level=level, **fields)
-            self.metrics.finished(fields["status"], fields["e2e_ms"] / 1e3,
-                                  fields.get("prompt_tokens", 0), fields.get("completion_tokens", 0),
-                                  fields.get("tpot_ms", 0.0))
+            self.metrics.finished(record.status, record.e2e_ms / 1e3, record.prompt_tokens,
+                                  record.completion_tokens, record.tpot_ms)
 
-    def _stream(self, gen: Generation, handoff: Handoff, scope: CallScope, received: float,
-                fields: dict[str, Any], span: tracing.Span
-                ) -> Iterator[router_pb2.GenerateResponse]:
+    def _stream(self, gen: Generation, started: Started, completion: Completion,
+                scope: CallScope, received: float, record: RequestRecord,
+                span: tracing.Span) -> Iterator[StreamEvent]:
         rid = gen.request_id
-        reservation = handoff.reservation
+        reservation = started.reservation
         clock = TokenClock(received)
-        completion = Completion(gen, self._tokenizer)
-        timing = _timing(handoff, received)
-        fields.update(prefill=timing.prefill_worker, decode=timing.decode_worker,
-                      attempts=timing.attempts)
+        timing = _timing(rid, started, received)
+        record.prefill, record.decode = timing.prefill_worker, timing.decode_worker
+        record.attempts = timing.attempts
         span.set_attributes({"kv_pages": timing.kv_pages, "kv_transport": timing.kv_transport})
+        first_delta = Delta(rid, completion.first_text, (started.prefill.first_token,))
         decode_finished = False
         try:
-            first = handoff.prefill.first_token
-            taken, text = completion.accept([first])
-            first_delta = _delta(rid, text, taken)
-            if completion.finish_reason:
+            if started.decode is None:  # the first token ended the request
                 yield first_delta
-                self._first_sent(clock, timing, fields)
+                yield self._first_sent(clock, timing, record)
                 reservation.release(f"finished at the first token ({completion.finish_reason})")
-                yield router_pb2.GenerateResponse(request_id=rid, timing=timing)
             else:
-                scope.check()
-                call_span = tracing.start_span("router.decode_stream", kind=tracing.CLIENT,
-                                               parent=span, worker=reservation.address,
-                                               request_id=reservation.ticket.request_id)
-                call = reservation.stub.Decode(decode_pb2.DecodeRequest(
-                    ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first,
-                    sampling=gen.sampling.to_proto()), metadata=tracing.outgoing_metadata(call_span))
-                with scope.guard(call.cancel), tracing.ending(call_span):
-                    try:
-                        decode_finished = yield from self._decode(
-                            call, first_delta, completion, timing, clock, handoff, fields)
-                    except grpc.RpcError as exc:
-                        if scope.cancelled:
-                            raise ClientCancelled() from None
-                        if clock.first_at is None and exc.code() in DECODE_START_RETRYABLE:
-                            raise DecodeDidNotStart(
-                                f"decode {reservation.address} did not start the sequence: "
-                                f"{exc.code().name} {exc.details()}") from None
-                        raise ServiceError(
-                            f"decode {reservation.address} failed after {completion.tokens} "
-                            f"tokens were streamed: {exc.code().name} {exc.details()}",
-                            code=exc.code().name) from None
-                    finally:
-                        call.cancel()  # no-op once the stream has ended
-                        call_span.set_attributes({
-                            "decode_start_ms": timing.decode_start_ms,
-                            "completion_tokens": completion.tokens,
-                            "finish_reason": completion.finish_reason})
-                self._settle(reservation, decode_finished, completion, scope)
-            fields.update(finish_reason=completion.finish_reason,
-                          completion_tokens=completion.tokens, tpot_ms=round(clock.tpot_ms, 3),
-                          decode_start_ms=round(timing.decode_start_ms, 3))
-            yield router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
-                finish_reason=completion.finish_reason, prompt_tokens=len(gen.prompt_ids),
-                completion_tokens=completion.tokens, e2e_ms=clock.e2e_ms(self._clock()),
-                tpot_ms=clock.tpot_ms, itl_mean_ms=clock.itl_mean_ms, itl_max_ms=clock.itl_max_ms))
+                decode_finished = yield from self._relay(started.decode, first_delta, completion,
+                                                         timing, clock, record, scope,
+                                                         reservation.address)
+            self._settle(started, decode_finished, completion, scope)
+            record.finish_reason = completion.finish_reason
+            record.completion_tokens = completion.tokens
+            record.tpot_ms = clock.tpot_ms
+            yield Finish(rid, completion.finish_reason, len(gen.prompt_ids), completion.tokens,
+                         clock.e2e_ms(self._clock()), clock.tpot_ms, clock.itl_mean_ms,
+                         clock.itl_max_ms)
         finally:
-            fields.setdefault("completion_tokens", completion.tokens)
-            self._settle(reservation, decode_finished, completion, scope)
+            record.completion_tokens = completion.tokens
+            self._settle(started, decode_finished, completion, scope)
+
+    def _relay(
+        self,
+        stream: DecodeStream,
+        first_delta: Delta,
+        completion: Completion,
+        timing: Timing,
+        clock: TokenClock,
+        record: RequestRecord,
+        scope: CallScope,
+        address: str,
+    ) -> Generator[StreamEvent, None, bool]:
+        """Relay decode's stream; returns True when decode itself finished the sequence."""
+        timing.decode_start_ms = stream.first.decode_start_ms
+        record.decode_start_ms = timing.decode_start_ms
+        self.metrics.decode_start.observe(timing.decode_start_ms / 1e3)
+        rid = first_delta.request_id
+        try:
+            with scope.guard(stream.call.cancel), tracing.ending(stream.span):
+                yield first_delta
+                yield self._first_sent(clock, timing, record)
+                try:
+                    for message in stream.messages():
+                        taken, text = completion.accept(message.token_ids)
+                        if message.finish_reason and not completion.finish_reason:
+                            if message.finish_reason == "abort":
+                                raise Aborted(f"decode {address} aborted the sequence after "
+                                              f"{completion.tokens} tokens")
+                            text += completion.end(message.finish_reason)
+                        if taken or text:
+                            yield Delta(rid, text, tuple(taken))
+                            gap_s = clock.sent(len(taken), self._clock())
+                            if gap_s is not None:
+                                self.metrics.itl.observe(gap_s)
+                        if completion.finish_reason:
+                            return bool(message.finish_reason)
+                except grpc.RpcError as exc:
+                    if scope.cancelled:
+                        raise ClientCancelled() from None
+                    raise ServiceError(
+                        f"decode {address} failed after {completion.tokens} tokens were "
+                        f"streamed: {exc.code().name} {exc.details()}", exc.code().name) from None
+                raise Unavailable(f"decode {address}: stream ended without a finish reason "
+                                  f"after {completion.tokens} tokens")
+        finally:
+            stream.call.cancel()  # no-op once the stream has ended
+            stream.span.set_attributes({"decode_start_ms": timing.decode_start_ms,
+                                        "completion_tokens": completion.tokens,
+                                        "finish_reason": completion.finish_reason})
 
     @staticmethod
-    def _settle(reservation: Reservation, decode_finished: bool, completion: Completion,
+    def _settle(started: Started, decode_finished: bool, completion: Completion,
                 scope: CallScope) -> None:
         """Before Finish is sent: when decode did not end the sequence itself (a stop string,
         cancellation, failure), abort it so D frees its pages now. Idempotent."""
         if decode_finished:
-            reservation.settle()
+            started.reservation.settle()
             return
-        reservation.release("client cancelled" if scope.cancelled else
-                            f"router finished the request ({completion.finish_reason})"
-                            if completion.finish_reason else "router-side failure")
+        started.reservation.release("client cancelled" if scope.cancelled else
+                                    f"router finished the request ({completion.finish_reason})"
+                                    if completion.finish_reason else "router-side failure")
 
-    def _first_sent(self, clock: TokenClock, timing: router_pb2.Timing,
-                    fields: dict[str, Any]) -> None:
+    def _first_sent(self, clock: TokenClock, timing: Timing, record: RequestRecord) -> Timing:
         clock.sent(1, self._clock())
         timing.ttft_ms = clock.ttft_ms
-        fields.update(ttft_ms=round(timing.ttft_ms, 3), queue_ms=round(timing.queue_ms, 3),
-                      prefill_ms=round(timing.prefill_ms, 3),
-                      kv_transfer_ms=round(timing.kv_transfer_ms, 3), kv_bytes=timing.kv_bytes)
+        record.ttft_ms, record.queue_ms = timing.ttft_ms, timing.queue_ms
+        record.prefill_ms, record.kv_transfer_ms = timing.prefill_ms, timing.kv_transfer_ms
+        record.kv_bytes = timing.kv_bytes
         self.metrics.first_token(timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms,
                                  timing.ttft_ms, timing.kv_bytes, timing.kv_transport,
                                  timing.attempts)
-
-    def _decode(self, call: Any, first_delta: router_pb2.GenerateResponse, completion: Completion,
-                timing: router_pb2.Timing, clock: TokenClock, handoff: Handoff,
-                fields: dict[str, Any]) -> Iterator[router_pb2.GenerateResponse]:
-        """Relay decode's stream; returns True when decode itself finished the sequence.
-
-        The first token (sampled by prefill) goes out when decode's first message says the
-        sequence is live in its batch, so TTFT includes decode_start_ms.
-        """
-        rid = first_delta.request_id
-        first = True
-        for message in call:
-            if first:
-                first = False
-                timing.decode_start_ms = message.decode_start_ms
-                self.metrics.decode_start.observe(message.decode_start_ms / 1e3)
-                yield first_delta
-                self._first_sent(clock, timing, fields)
-                yield router_pb2.GenerateResponse(request_id=rid, timing=timing)
-            taken, text = completion.accept(message.token_ids)
-            if message.finish_reason and not completion.finish_reason:
-                if message.finish_reason == "abort":
-                    raise Aborted(f"decode {handoff.reservation.address} aborted the sequence "
-                                  f"after {completion.tokens} tokens")
-                text += completion.end(message.finish_reason)
-            if taken or text:
-                yield _delta(rid, text, taken)
-                gap_s = clock.sent(len(taken), self._clock())
-                if gap_s is not None:
-                    self.metrics.itl.observe(gap_s)
-            if completion.finish_reason:
-                return bool(message.finish_reason)
-        raise Unavailable(f"decode {handoff.reservation.address}: stream ended without a finish "
-                          f"reason after {completion.tokens} tokens")
+        return timing
 
 
-def _delta(rid: str, text: str, token_ids: list[int]) -> router_pb2.GenerateResponse:
-    return router_pb2.GenerateResponse(
-        request_id=rid, delta=router_pb2.TokenDelta(text=text, token_ids=token_ids))
-
-
-def _timing(handoff: Handoff, received: float) -> router_pb2.Timing:
-    reply = handoff.prefill
-    return router_pb2.Timing(
-        queue_ms=queue_ms(received, handoff.prefill_sent, reply.queue_ms),
-        prefill_ms=reply.prefill_ms, kv_transfer_ms=reply.transfer.handoff_ms,
-        kv_bytes=reply.transfer.kv_bytes, kv_pages=reply.transfer.kv_pages,
-        kv_transport=reply.transfer.transport, prefill_worker=handoff.prefill_worker,
-        decode_worker=handoff.reservation.worker, attempts=handoff.attempts)
+def _timing(rid: str, started: Started, received: float) -> Timing:
+    reply = started.prefill
+    return Timing(rid, queue_ms=queue_ms(received, started.prefill_sent, reply.queue_ms),
+                  prefill_ms=reply.prefill_ms, kv_transfer_ms=reply.transfer.handoff_ms,
+                  kv_bytes=reply.transfer.kv_bytes, kv_pages=reply.transfer.kv_pages,
+                  kv_transport=reply.transfer.transport, prefill_worker=started.prefill_worker,
+                  decode_worker=started.reservation.worker, attempts=started.attempts)

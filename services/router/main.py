@@ -15,6 +15,7 @@ from pathlib import Path
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
+from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.config import SERVICE, RouterConfig
@@ -26,14 +27,16 @@ from pdserve.v1 import router_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 
-BUILTIN_SIZE = "tiny"
 BUILTIN_TIMEOUT_S = 900.0
 
 
-def builtin_model_dir(size: str = BUILTIN_SIZE) -> Path:
-    """The built-in model's directory, created if missing, by a child process (which may
-    import torch; this one must not)."""
-    argv = [sys.executable, "-m", "pdserve.engine.builtin", "ensure", size]
+def model_dir(ref: ModelRef) -> Path:
+    """The model's directory; a built-in one is created if missing by a child process (which
+    may import torch; this one must not)."""
+    if ref.path is not None:
+        return ref.path
+    assert ref.builtin_size is not None
+    argv = [sys.executable, "-m", "pdserve.engine.builtin", "ensure", ref.builtin_size]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=BUILTIN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -45,31 +48,20 @@ def builtin_model_dir(size: str = BUILTIN_SIZE) -> Path:
     return Path(lines[-1])
 
 
-def resolve_model(model: str | None) -> tuple[Path, str]:
-    """`--model` -> (directory, default served name). A directory is used as is (named after
-    itself); no value, `tiny`/`small` or `builtin-<size>` mean the built-in model."""
-    if model and Path(model).expanduser().is_dir():
-        path = Path(model).expanduser()
-        return path, path.resolve().name
-    size = (model or BUILTIN_SIZE).removeprefix("builtin-")
-    if "/" in size or not size.isidentifier():
-        raise FileNotFoundError(f"model {model!r} is neither a directory nor a built-in size")
-    return builtin_model_dir(size), f"builtin-{size}"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the router; returns the process exit status."""
     cfg = parse_config(RouterConfig, SERVICE, argv, prog="pdserve router")
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     try:
-        model_dir, default_name = resolve_model(cfg.model)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        ref = resolve_model_name(cfg.model)
+        directory = model_dir(ref)
+        tokenizer = Tokenizer.from_dir(directory)
     except (OSError, RuntimeError, ValueError) as exc:
         log.error("cannot load the tokenizer: %s", exc)
         return 1
-    model_name = cfg.model_name or default_name
+    model_name = cfg.model_name or ref.name
     setup_tracing("pdserve-router")
-    log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, model_dir,
+    log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, directory,
              tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
     pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s)
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,

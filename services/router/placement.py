@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from pdserve.common.layout import pages_for_tokens
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -49,11 +51,6 @@ class DecodeLoad:
         return self.running_sequences + self.waiting_sequences + self.reserved_tickets
 
 
-def pages_needed(num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Pages that hold `num_tokens` tokens."""
-    return -(-num_tokens // max(1, block_size))
-
-
 def rank_prefill(workers: Sequence[PrefillLoad], avoid: Collection[str] = ()) -> list[str]:
     """Healthy prefill workers, fewest pending prompt tokens first."""
     healthy = [w for w in workers if w.healthy]
@@ -66,8 +63,10 @@ def rank_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
     """Healthy decode workers: those with room for the prompt first, then the fewest
     sequences, then the most free pages. Workers whose last Stats showed too little room
     still come (last): the Stats may be stale, and Reserve gives the real answer."""
-    def key(w: DecodeLoad) -> tuple:
-        fits = w.free_pages is None or w.free_pages >= pages_needed(num_prompt_tokens, w.block_size)
+    def key(w: DecodeLoad) -> tuple[bool, bool, int, int, str]:
+        fits = w.free_pages is None or w.free_pages >= pages_for_tokens(
+            num_prompt_tokens, w.block_size
+        )
         free = w.free_pages if w.free_pages is not None else 0
         return (w.address in avoid, not fits, w.sequences, -free, w.address)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.router.placement import DecodeLoad, PrefillLoad
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.router.pool")
 
@@ -31,17 +31,6 @@ CHANNEL_OPTIONS = (
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def parse_addresses(text: str | Sequence[str]) -> tuple[str, ...]:
-    """`"a:1, b:2"` (or a list of such strings) -> `("a:1", "b:2")`, duplicates dropped."""
-    parts = [text] if isinstance(text, str) else list(text)
-    out: list[str] = []
-    for part in parts:
-        for address in (a.strip() for a in part.split(",")):
-            if address and address not in out:
-                out.append(address)
-    return tuple(out)
-
-
 @dataclass
 class Worker:
     """One worker: its channel and stubs, and the router's latest knowledge of it."""
@@ -52,7 +41,7 @@ class Worker:
     stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
-    stats: decode_pb2.WorkerStats | None = None
+    stats: common_pb2.WorkerStats | None = None
     inflight_prompt_tokens: int = 0
     last_error: str = field(default="", repr=False)
 
@@ -105,7 +94,7 @@ class WorkerPool:
         workers = list(self._workers.values())
         checks = [w.health.Check.future(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
                   for w in workers]
-        stats = [w.stub.Stats.future(decode_pb2.StatsRequest(), timeout=self.timeout_s)
+        stats = [w.stub.Stats.future(common_pb2.StatsRequest(), timeout=self.timeout_s)
                  for w in workers]
         for worker, check, stat in zip(workers, checks, stats):
             try:
@@ -113,7 +102,7 @@ class WorkerPool:
             except grpc.RpcError as exc:
                 healthy, error = False, f"{exc.code().name}: {exc.details()}"
             try:
-                fresh: decode_pb2.WorkerStats | None = stat.result()
+                fresh: common_pb2.WorkerStats | None = stat.result()
             except grpc.RpcError:
                 fresh = None
             with self._lock:
@@ -166,10 +155,14 @@ class WorkerPool:
                        block_size=s.fingerprint.block_size or load.block_size)
 
     def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        return self._workers[("prefill", address)].stub  # type: ignore[return-value]
+        stub = self._workers[("prefill", address)].stub
+        assert isinstance(stub, prefill_pb2_grpc.PrefillStub)
+        return stub
 
     def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        return self._workers[("decode", address)].stub  # type: ignore[return-value]
+        stub = self._workers[("decode", address)].stub
+        assert isinstance(stub, decode_pb2_grpc.DecodeStub)
+        return stub
 
     # --- what the lifecycle reports back --------------------------------------------------
 
@@ -183,7 +176,7 @@ class WorkerPool:
         with self._lock:
             worker = self._workers[("decode", address)]
             if worker.stats is not None:
-                stats = decode_pb2.WorkerStats()
+                stats = common_pb2.WorkerStats()
                 stats.CopyFrom(worker.stats)
                 stats.free_pages = max(0, stats.free_pages - num_pages)
                 stats.reserved_tickets += 1

@@ -1,14 +1,48 @@
-"""`pdserve.v1.Router`: a thin servicer over `Lifecycle` (errors become statuses in the
-server bootstrap's interceptor)."""
+"""`pdserve.v1.Router` over gRPC: a GenerateRequest becomes a `GenerateInput`, the lifecycle's
+events become GenerateResponses (errors become statuses in the server bootstrap's
+interceptor). The only place the router's public protobuf is read or written."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import grpc
+from pdserve.router.api import ChatMessage, Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.cancel import CallScope
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.v1 import router_pb2, router_pb2_grpc
+
+
+def input_from_pb(req: router_pb2.GenerateRequest) -> GenerateInput:
+    def optional(name: str) -> object:
+        return getattr(req, name) if req.HasField(name) else None
+
+    messages = tuple(ChatMessage(m.role, m.content) for m in getattr(req, "messages", ()))
+    return GenerateInput(
+        prompt=req.prompt, token_ids=tuple(req.token_ids), messages=messages,
+        max_tokens=optional("max_tokens"), temperature=optional("temperature"),  # type: ignore[arg-type]
+        top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),  # type: ignore[arg-type]
+        stop=tuple(req.stop), ignore_eos=req.ignore_eos, request_id=req.request_id,
+        model=req.model)
+
+
+def event_to_pb(event: StreamEvent) -> router_pb2.GenerateResponse:
+    rid = event.request_id
+    if isinstance(event, Delta):
+        return router_pb2.GenerateResponse(request_id=rid, delta=router_pb2.TokenDelta(
+            text=event.text, token_ids=event.token_ids))
+    if isinstance(event, Timing):
+        return router_pb2.GenerateResponse(request_id=rid, timing=router_pb2.Timing(
+            queue_ms=event.queue_ms, prefill_ms=event.prefill_ms,
+            kv_transfer_ms=event.kv_transfer_ms, decode_start_ms=event.decode_start_ms,
+            ttft_ms=event.ttft_ms, kv_bytes=event.kv_bytes, kv_pages=event.kv_pages,
+            kv_transport=event.kv_transport, prefill_worker=event.prefill_worker,
+            decode_worker=event.decode_worker, attempts=event.attempts))
+    assert isinstance(event, Finish)
+    return router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
+        finish_reason=event.finish_reason, prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens, e2e_ms=event.e2e_ms, tpot_ms=event.tpot_ms,
+        itl_mean_ms=event.itl_mean_ms, itl_max_ms=event.itl_max_ms))
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -22,4 +56,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         scope = CallScope()
         if not context.add_callback(scope.cancel):  # the call already ended
             scope.cancel()
-        yield from self._lifecycle.generate(request, scope)
+        for event in self._lifecycle.generate(input_from_pb(request), scope):
+            yield event_to_pb(event)

@@ -60,29 +60,3 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
-
-class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_pages", "free_pages", "running_sequences", "waiting_sequences", "reserved_tickets", "queued_prompt_tokens", "fingerprint")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    WAITING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    RESERVED_TICKETS_FIELD_NUMBER: _ClassVar[int]
-    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    role: str
-    num_pages: int
-    free_pages: int
-    running_sequences: int
-    waiting_sequences: int
-    reserved_tickets: int
-    queued_prompt_tokens: int
-    fingerprint: _common_pb2.LayoutFingerprint
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., reserved_tickets: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_common_pb2.LayoutFingerprint, _Mapping]] = ...) -> None: ...

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
+from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import prefill_pb2 as pdserve_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -43,8 +43,8 @@ class PrefillStub:
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.Prefill/Stats',
-                request_serializer=pdserve_dot_v1_dot_decode__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_decode__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -74,8 +74,8 @@ def add_PrefillServicer_to_server(servicer, server):
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.StatsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_decode__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,8 +131,8 @@ class Prefill:
             request,
             target,
             '/pdserve.v1.Prefill/Stats',
-            pdserve_dot_v1_dot_decode__pb2.StatsRequest.SerializeToString,
-            pdserve_dot_v1_dot_decode__pb2.WorkerStats.FromString,
+            pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,7 +11,13 @@ from collections.abc import Iterator
 
 import grpc
 from pdserve.up import metrics_offset
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 
 from tests.support import pdserve_argv, running
 
@@ -54,13 +60,13 @@ class Stack:
             return list(router_pb2_grpc.RouterStub(ch).Generate(
                 router_pb2.GenerateRequest(**fields), timeout=timeout_s))
 
-    def prefill_stats(self, index: int = 0) -> decode_pb2.WorkerStats:
+    def prefill_stats(self, index: int = 0) -> common_pb2.WorkerStats:
         with grpc.insecure_channel(self.prefill[index]) as ch:
-            return prefill_pb2_grpc.PrefillStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
+            return prefill_pb2_grpc.PrefillStub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
 
-    def decode_stats(self, index: int = 0) -> decode_pb2.WorkerStats:
+    def decode_stats(self, index: int = 0) -> common_pb2.WorkerStats:
         with grpc.insecure_channel(self.decode[index]) as ch:
-            return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.StatsRequest(), timeout=10)
+            return decode_pb2_grpc.DecodeStub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
 
 
 @contextlib.contextmanager
@@ -74,7 +80,8 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
                  colocated_port=base + 35, metrics_port=metrics_base)
     argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
                         "--kv-cache-mb", "32", *args,
-                        *(x for k, v in ports.items() for x in (f"--{k.replace('_', '-')}", str(v))))
+                        *(x for k, v in ports.items()
+                          for x in (f"--{k.replace('_', '-')}", str(v))))
     if colocated:
         argv.append("--colocated")
     router = f"127.0.0.1:{base}"
@@ -92,8 +99,9 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
                         [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics)
 
 
-def collect(responses: list[router_pb2.GenerateResponse]) -> tuple[list[int], str, router_pb2.Timing,
-                                                                     router_pb2.Finish]:
+def collect(
+    responses: list[router_pb2.GenerateResponse],
+) -> tuple[list[int], str, router_pb2.Timing, router_pb2.Finish]:
     """(token ids, text, timing, finish) of one finished stream."""
     ids: list[int] = []
     text = ""

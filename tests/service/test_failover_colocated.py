@@ -51,7 +51,9 @@ def test_prefill_killed_before_first_token_retries_on_the_other(reference):
     env = {"PDSERVE_ROUTER_HEALTH_INTERVAL_S": "600"}
     with pdserve_stack(prefill=2, env=env) as stack:
         first, second = sorted(stack.prefill)
-        assert wait_for(lambda: _healthy_prefill(stack) == 2), "router never saw both prefill workers"
+        assert wait_for(lambda: _healthy_prefill(stack) == 2), (
+            "router never saw both prefill workers"
+        )
         pid = _pid_of("pdserve.prefill.main", "--port", first.rsplit(":", 1)[1])
         os.kill(pid, signal.SIGKILL)
         tok, refs = reference

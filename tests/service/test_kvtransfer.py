@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.common.shm import SharedSegment, leftover_segments
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
-from tests.support import ServiceProcess, free_port, running
+from tests.support import ServiceProcess, free_port, running, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -208,16 +207,16 @@ def test_cancelled_ticket_is_refused(pair: Pair) -> None:
 def test_expired_lease_is_refused(pair: Pair) -> None:
     ticket, pages = new_ticket(), [22, 23]
     expect(pair.receiver, pair.dst, ticket, pages, lease_ms=50)
-    deadline = time.monotonic() + 10
-    while True:  # bounded poll until the agent reports the lease gone
+    def expired() -> bool:  # polled until the agent reports the lease gone
         try:
             pair.receiver.stub.TransferStatus(kvtransfer_pb2.TransferStatusRequest(ticket=ticket),
                                               timeout=10)
         except grpc.RpcError as exc:
             assert exc.code() == Code.FAILED_PRECONDITION and "expired" in exc.details()
-            break
-        assert time.monotonic() < deadline, "lease never expired"
-        time.sleep(0.02)
+            return True
+        return False
+
+    assert wait_for(expired, timeout_s=10, interval_s=0.02), "lease never expired"
     before = pair.dst.snapshot()
     err = rpc_error(send, pair, ticket, [0, 1], pages)
     assert err.code() == Code.FAILED_PRECONDITION and "expired" in err.details()

@@ -3,14 +3,13 @@ by exactly what the requests did: counted once, bytes as reported, pages back to
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service.stack import collect, pdserve_stack
+from tests.support import wait_for
 
 pytestmark = pytest.mark.service
 
@@ -39,15 +38,6 @@ class Scrape:
 
 def scrape_all(stack) -> dict[str, Scrape]:
     return {name: Scrape(stack.scrape(name)) for name in stack.metrics}
-
-
-def wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)  # bounded poll of a /metrics endpoint
-    return False
 
 
 def pages_all_free(stack, name: str) -> bool:

@@ -42,14 +42,17 @@ def test_grpcurl_lists_and_describes_without_proto_files(stack):
     services = _run_grpcurl(stack.router, "list").split()
     assert {"pdserve.v1.Router", "grpc.health.v1.Health"} <= set(services)
     described = _run_grpcurl(stack.router, "describe", "pdserve.v1.Router")
-    assert "rpc Generate ( .pdserve.v1.GenerateRequest ) returns ( stream .pdserve.v1.GenerateResponse )" in described
-    for worker, name in ((stack.prefill[0], "pdserve.v1.Prefill"), (stack.decode[0], "pdserve.v1.Decode")):
+    assert ("rpc Generate ( .pdserve.v1.GenerateRequest ) returns "
+            "( stream .pdserve.v1.GenerateResponse )") in described
+    for worker, name in ((stack.prefill[0], "pdserve.v1.Prefill"),
+                         (stack.decode[0], "pdserve.v1.Decode")):
         assert name in _run_grpcurl(worker, "list").split()
 
 
 def test_grpcurl_health_check_reports_serving(stack):
     for address in (stack.router, stack.prefill[0], stack.decode[0]):
-        reply = json.loads(_run_grpcurl("-d", '{"service": ""}', address, "grpc.health.v1.Health/Check"))
+        reply = json.loads(_run_grpcurl("-d", '{"service": ""}', address,
+                                        "grpc.health.v1.Health/Check"))
         assert reply == {"status": "SERVING"}
 
 
@@ -86,8 +89,9 @@ def test_sigterm_drains_a_decode_worker_with_streams_in_flight(tiny_model_dir):
     ports = {name: free_port() for name in ("agent_a", "agent_b", "prefill", "decode", "router")}
     py = [sys.executable, "-m"]
     addr = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
-    with running([*py, "pdserve.kvtransfer.main", "--port", str(ports["agent_a"])], addr["agent_a"]), \
-         running([*py, "pdserve.kvtransfer.main", "--port", str(ports["agent_b"])], addr["agent_b"]), \
+    agent = [*py, "pdserve.kvtransfer.main", "--port"]
+    with running([*agent, str(ports["agent_a"])], addr["agent_a"]), \
+         running([*agent, str(ports["agent_b"])], addr["agent_b"]), \
          running([*py, "pdserve.prefill.main", "--port", str(ports["prefill"]), "--kv-agent",
                   addr["agent_a"], "--kv-cache-mb", "16"], addr["prefill"]), \
          running([*py, "pdserve.decode.main", "--port", str(ports["decode"]), "--kv-agent",
@@ -102,7 +106,8 @@ def test_sigterm_drains_a_decode_worker_with_streams_in_flight(tiny_model_dir):
 
             with grpc.insecure_channel(addr["router"]) as ch:
                 call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
-                    prompt=f"stream {i}", max_tokens=300, temperature=0.0, ignore_eos=True), timeout=120)
+                    prompt=f"stream {i}", max_tokens=300, temperature=0.0, ignore_eos=True),
+                    timeout=120)
                 msgs = []
                 for m in call:
                     msgs.append(m)

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 
 from tests.service.stack import collect, pdserve_stack
-from tests.support import free_port, pdserve_argv, running
+from tests.support import free_port, pdserve_argv, running, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -71,22 +71,18 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             self._spans += got
         return trace_service_pb2.ExportTraceServiceResponse()
 
-    def spans(self, predicate: Callable[[ExportedSpan], bool] = lambda s: True) -> list[ExportedSpan]:
+    def spans(self, predicate: Callable[[ExportedSpan], bool] = lambda s: True
+              ) -> list[ExportedSpan]:
         with self._lock:
             return [s for s in self._spans if predicate(s)]
 
     def wait_for(self, predicate: Callable[[list[ExportedSpan]], bool],
                  timeout_s: float = SPAN_WAIT_S) -> list[ExportedSpan]:
         """Poll until `predicate(all spans)` holds (bounded); returns the spans."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            spans = self.spans()
-            if predicate(spans):
-                return spans
-            if time.monotonic() > deadline:
-                names = sorted({(s.service, s.name) for s in spans})
-                raise AssertionError(f"spans did not arrive in {timeout_s:.0f}s; have {names}")
-            time.sleep(0.05)
+        if wait_for(lambda: predicate(self.spans()), timeout_s=timeout_s):
+            return self.spans()
+        names = sorted({(s.service, s.name) for s in self.spans()})
+        raise AssertionError(f"spans did not arrive in {timeout_s:.0f}s; have {names}")
 
 
 @pytest.fixture(scope="module")

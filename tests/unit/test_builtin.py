@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from pdserve.common import models
 from pdserve.engine import builtin
 
 pytestmark = pytest.mark.unit
@@ -151,23 +152,31 @@ def test_create_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "m").iterdir()] == ["keep.txt"]
 
 
-def test_cache_dir_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_cache_dir_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    assert builtin.default_cache_dir() == tmp_path
+    assert models.cache_dir() == tmp_path
     monkeypatch.delenv("PDSERVE_CACHE_DIR")
-    assert builtin.default_cache_dir() == Path.home() / ".cache" / "pdserve"
+    assert models.cache_dir() == Path.home() / ".cache" / "pdserve"
 
 
-def test_cli_ensure_prints_the_path(tiny_dir: Path, cache_dir: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_ensure_prints_the_path(tiny_dir: Path, cache_dir: Path,
+                                    capsys: pytest.CaptureFixture) -> None:
     assert builtin.main(["ensure", "tiny", "--cache-dir", str(cache_dir)]) == 0
     assert capsys.readouterr().out.strip() == str(tiny_dir.resolve())
 
 
-def test_model_names() -> None:
+def test_model_names(tiny_dir: Path) -> None:
+    """`--model` is resolved in one place: built-in sizes by either name, or a directory."""
     assert builtin.model_name("small") == "builtin-small"
-    assert builtin.size_from_model_name("builtin-tiny") == "tiny"
-    assert builtin.size_from_model_name("builtin-huge") is None
-    assert builtin.size_from_model_name("meta-llama/Llama-3.2-1B") is None
+    assert models.resolve_model_name("tiny") == models.ModelRef("builtin-tiny", builtin_size="tiny")
+    assert models.resolve_model_name("builtin-small").builtin_size == "small"
+    assert models.resolve_model_name(None).name == "builtin-tiny"
+    ref = models.resolve_model_name(str(tiny_dir))
+    assert ref.builtin_size is None and ref.path == tiny_dir.resolve()
+    for bad in ("builtin-huge", "meta-llama/Llama-3.2-1B"):
+        with pytest.raises(FileNotFoundError, match=f"model '{bad}' is neither a built-in model"):
+            models.resolve_model_name(bad)
 
 
 def test_small_shape_without_building_it() -> None:

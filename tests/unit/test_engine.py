@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import UnsupportedModel, load_model
-from pdserve.engine.pool import pages_for_tokens
 from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -156,13 +156,14 @@ def test_prefill_writes_the_models_own_past_key_values(models, prompts):
         kv = engine.pool.tensor[pages]  # [pages, L, 2, block, kvh, hd]
         for layer in range(model.num_layers):
             ref_k, ref_v = past.layers[layer].keys[0], past.layers[layer].values[0]  # [kvh, T, hd]
-            ours = kv[:, layer].permute(1, 0, 2, 3, 4).reshape(2, -1, model.num_kv_heads, model.head_dim)
+            ours = kv[:, layer].permute(1, 0, 2, 3, 4).reshape(
+                2, -1, model.num_kv_heads, model.head_dim)
             # A sliding-window cache keeps only the window's tail; compare what it kept.
             kept = ref_k.shape[1]
             ours = ours[:, len(prompt) - kept: len(prompt)].transpose(1, 2)
             assert (ours[0] - ref_k).abs().max().item() <= 1e-5
             assert (ours[1] - ref_v).abs().max().item() <= 1e-5
-        assert engine.release("p") == len(pages)
+        assert engine.release_prefilled("p") == len(pages)
         assert engine.allocator.num_free == engine.config.num_pages
     finally:
         engine.close()
@@ -179,7 +180,7 @@ def test_prefill_and_decode_roles_hand_off_through_pages(models, prompts, refere
             prefill.add_request(rid, prompt, GREEDY)
             (out,) = [o for _ in range(50) for o in prefill.step()][:1]
             decode.pool.tensor[dst] = prefill.pool.tensor[out.page_ids]
-            prefill.release(rid)
+            prefill.release_prefilled(rid)
             outputs[rid] = [out.token]
             assert decode.add_prefilled(rid, ("ticket", rid), prompt, out.token, GREEDY) is None
             for o in decode.step():  # join the running batch at different steps

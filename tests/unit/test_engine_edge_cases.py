@@ -53,10 +53,10 @@ def test_chunked_prompts_that_do_not_fit_together_take_turns_instead_of_deadlock
         assert first[0].seq_id == "a" and not engine.stalled
         engine.step()
         assert engine.stalled  # b waits for a's pages, without holding any of its own
-        assert engine.release("a") == 3
+        assert engine.release_prefilled("a") == 3
         second = _step_until(engine, lambda o: len(o) == 1)
         assert second[0].seq_id == "b" and len(second[0].page_ids) == 4
-        engine.release("b")
+        engine.release_prefilled("b")
         assert engine.allocator.num_free == 4
     finally:
         engine.close()
@@ -69,7 +69,7 @@ def test_decode_refuses_a_sequence_that_could_never_finish_in_its_pool(tiny):
         with pytest.raises(ValueError, match="prompt \\+ max_tokens needs 8 pages; the pool has 4"):
             engine.add_prefilled("s", "t", list(range(5, 25)), 7,
                                  SamplingParams(max_tokens=100, temperature=0.0))
-        assert engine.release("t") == 2 and engine.allocator.num_free == 4
+        assert engine.free_reservation("t") == 2 and engine.allocator.num_free == 4
     finally:
         engine.close()
 
@@ -81,7 +81,7 @@ def test_decode_reservations_respect_max_num_seqs(tiny):
         engine.reserve("t2", 10)
         with pytest.raises(OutOfPages, match="max_num_seqs 2"):
             engine.reserve("t3", 10)
-        engine.release("t1")
+        engine.free_reservation("t1")
         engine.reserve("t3", 10)
     finally:
         engine.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from pdserve.kvtransfer.runs import PageRun, byte_runs, check_page_ids, coalesce, expand
+from pdserve.kvtransfer.runs import PageRun, check_page_ids, coalesce, expand
 
 pytestmark = pytest.mark.unit
 
@@ -54,21 +54,6 @@ def test_runs_are_maximal_and_ordered(seed: int) -> None:
         assert not any((r.src_start, r.dst_start) in ends for r in runs)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_byte_ranges_add_up_and_do_not_overlap(seed: int) -> None:
-    rng = random.Random(200 + seed)
-    for _ in range(CASES):
-        src, dst, _pool = random_handoff(rng)
-        page_bytes = rng.choice([1, 4, 4096, 393216])
-        ranges = byte_runs(coalesce(src, dst), page_bytes)
-        assert sum(b.nbytes for b in ranges) == len(src) * page_bytes
-        for side in ("src_offset", "dst_offset"):
-            spans = sorted((getattr(b, side), b.nbytes) for b in ranges)
-            for (a, n), (b, _) in zip(spans, spans[1:]):
-                assert a + n <= b
-            assert all(getattr(b, side) % page_bytes == 0 for b in ranges)
-
-
 def test_contiguous_handoff_is_one_run() -> None:
     assert coalesce(list(range(10, 20)), list(range(3, 13))) == [PageRun(10, 3, 10)]
 
@@ -84,8 +69,6 @@ def test_empty_and_invalid_inputs() -> None:
         coalesce([1, 2], [1])
     with pytest.raises(ValueError, match="destination page ids repeat"):
         coalesce([1, 2], [3, 3])
-    with pytest.raises(ValueError, match="page_bytes"):
-        byte_runs([PageRun(0, 0, 1)], 0)
 
 
 def test_expand_and_check_page_ids() -> None:

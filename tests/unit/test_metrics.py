@@ -1,45 +1,29 @@
-"""The metrics module: names, the /metrics endpoint, and what the router and agent count."""
+"""Metric names, units, gauges read from stats, and what the counters count (no sockets)."""
 
 from __future__ import annotations
 
-import socket
-import urllib.request
+import dataclasses
 
-import grpc
 import pytest
 from pdserve.common import errors as common_errors
+from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.metrics import (
     AgentMetrics,
     RouterMetrics,
     WorkerMetrics,
     count_outcome,
-    serve_metrics,
 )
 from pdserve.kvtransfer import errors
-from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
+from pdserve.worker.types import WorkerStats
 
-from tests.unit.test_router_lifecycle import run, stack, tok  # noqa: F401 (fixtures)
+from tests.support import exposition, value
 
 pytestmark = pytest.mark.unit
 
-STATS = dict(worker_id="w", role="decode", num_pages=10, free_pages=7, running_sequences=2,
-             waiting_sequences=1, reserved_tickets=1, queued_prompt_tokens=33)
-
-
-def samples(text: str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, labels): value} of a Prometheus text exposition."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def exposition(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
-    from prometheus_client import generate_latest
-    return samples(generate_latest(registry).decode())
-
-
-def value(found: dict, name: str, **labels: str) -> float:
-    return found.get((name, frozenset(labels.items())), 0.0)
+FINGERPRINT = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 16)
+STATS = WorkerStats(worker_id="w", role="decode", num_pages=10, free_pages=7,
+                    running_sequences=2, waiting_sequences=1, reserved_tickets=1,
+                    queued_prompt_tokens=33, fingerprint=FINGERPRINT)
 
 
 def test_every_metric_is_prefixed_and_carries_its_unit():
@@ -63,36 +47,15 @@ def test_every_metric_is_prefixed_and_carries_its_unit():
 
 
 def test_worker_gauges_are_read_from_stats_when_scraped():
-    stats = dict(STATS)
+    stats = STATS
     registry = WorkerMetrics("decode", lambda: stats).registry
     found = exposition(registry)
     assert value(found, "pdserve_kv_pages_free", role="decode") == 7
     assert value(found, "pdserve_kv_pages_used", role="decode") == 3
     assert value(found, "pdserve_kv_pages_capacity", role="decode") == 10
     assert value(found, "pdserve_queued_prompt_tokens", role="decode") == 33
-    stats["free_pages"] = 10
+    stats = dataclasses.replace(STATS, free_pages=10)
     assert value(exposition(registry), "pdserve_kv_pages_used", role="decode") == 0
-
-
-def test_endpoint_serves_on_a_free_port_and_is_optional(caplog):
-    metrics = RouterMetrics()
-    metrics.requests.labels("ok", "OK").inc()
-    endpoint = serve_metrics(metrics.registry, 0, "127.0.0.1", service="test")
-    assert endpoint is not None and endpoint.port > 0
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/metrics", timeout=5) as r:
-            found = samples(r.read().decode())
-        assert value(found, "pdserve_requests_total", outcome="ok", code="OK") == 1
-        # A busy port is a warning, not a failure to serve; -1 turns the endpoint off.
-        assert serve_metrics(metrics.registry, endpoint.port, "127.0.0.1") is None
-        assert "--metrics-port" in caplog.text
-        assert serve_metrics(metrics.registry, -1) is None
-    finally:
-        endpoint.close()
-    with socket.socket() as s:  # closed: nothing listens there any more
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the scrape left a TIME_WAIT
-        s.bind(("127.0.0.1", endpoint.port))
-        s.listen()
 
 
 def test_count_outcome_labels_by_status_code():
@@ -128,25 +91,3 @@ def test_agent_counts_bytes_throughput_and_failure_causes():
                      direction="send") == 1
 
 
-def test_router_counts_each_request_once_with_its_ttft_breakdown(stack):  # noqa: F811
-    script, stub, lifecycle = stack
-    n = len(script.tokens)
-    for _ in range(2):
-        run(stub, prompt="the fox", max_tokens=n)
-    with pytest.raises(grpc.RpcError):
-        run(stub, prompt="")
-    found = exposition(lifecycle.metrics.registry)
-    assert value(found, "pdserve_requests_total", outcome="ok", code="OK") == 2
-    assert value(found, "pdserve_requests_total", outcome="error", code="INVALID_ARGUMENT") == 1
-    assert value(found, "pdserve_requests_in_flight") == 0
-    assert value(found, "pdserve_ttft_seconds_count") == 2
-    assert value(found, "pdserve_prefill_seconds_sum") == pytest.approx(0.006)  # 2 × 3 ms
-    assert value(found, "pdserve_kv_transfer_seconds_sum", transport="local") == \
-        pytest.approx(0.005)
-    assert value(found, "pdserve_decode_start_seconds_sum") == pytest.approx(0.003)
-    assert value(found, "pdserve_kv_bytes_total", transport="local") == 2 * 4096
-    assert value(found, "pdserve_itl_seconds_count") == 2 * (n - 1)  # one per later message
-    assert value(found, "pdserve_tpot_seconds_count") == 2
-    assert value(found, "pdserve_completion_tokens_total") == 2 * n
-    assert value(found, "pdserve_e2e_seconds_count", outcome="ok") == 2
-    assert value(found, "pdserve_e2e_seconds_count", outcome="error") == 1

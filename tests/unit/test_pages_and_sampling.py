@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from pdserve.common.shm import leftover_segments
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import load_model
-from pdserve.engine.pool import KVPool, LayoutFingerprint, OutOfPages, PageAllocator
+from pdserve.engine.pool import LayoutFingerprint, OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -50,6 +46,7 @@ def test_allocator_frees_each_page_exactly_once():
     assert alloc.free("b") == 0 and alloc.free("b2") == 4
     assert alloc.num_free == 10
     assert sorted(alloc.allocate("d", 10)) == list(range(10))  # every id back, each once
+    assert alloc.num_free == 0
 
 
 def test_fingerprint_mismatch_names_the_fields():
@@ -58,28 +55,6 @@ def test_fingerprint_mismatch_names_the_fields():
     assert FP.page_bytes == 2 * 2 * 4 * 2 * 8 * 4
     with pytest.raises(ValueError, match="block_size must be > 0"):
         LayoutFingerprint("m", "r", "float32", 2, 2, 8, block_size=0)
-
-
-def test_two_processes_see_the_same_pool_bytes():
-    pool = KVPool(FP, num_pages=8)
-    try:
-        pool.tensor[3] = torch.arange(FP.page_bytes // 4, dtype=torch.float32).view(FP.page_shape)
-        code = (
-            "import sys, torch\n"
-            "from pdserve.engine.pool import KVPool, LayoutFingerprint\n"
-            f"fp = LayoutFingerprint(**{FP.__dict__!r})\n"
-            f"pool = KVPool(fp, 8, attach_name={pool.shm_name!r})\n"
-            "assert float(pool.tensor[3].flatten()[5]) == 5.0, 'reader saw other bytes'\n"
-            "pool.tensor[6].fill_(2.5)\n"
-            "pool.close()\n"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-        assert torch.all(pool.tensor[6] == 2.5)  # the other process's write, no copy
-        assert pool.shm_name in leftover_segments()
-    finally:
-        name = pool.shm_name
-        pool.close()
-    assert name not in leftover_segments()
 
 
 def test_free_pages_return_after_finished_and_aborted_sequences(tiny):
@@ -97,8 +72,9 @@ def test_free_pages_return_after_finished_and_aborted_sequences(tiny):
         reserved = engine.reserve("ticket", 40)
         assert len(reserved) == 3
         out = _run(engine, out=early)
-        assert set(out) >= {"s0", "s2", "s3", "s5"} and all(len(out[f"s{i}"]) == 12 for i in (0, 2, 3, 5))
-        assert engine.release("ticket") == 3 and engine.release("ticket") == 0
+        assert set(out) >= {"s0", "s2", "s3", "s5"}
+        assert all(len(out[f"s{i}"]) == 12 for i in (0, 2, 3, 5))
+        assert engine.free_reservation("ticket") == 3 and engine.free_reservation("ticket") == 0
         assert engine.allocator.num_free == 64
     finally:
         engine.close()
@@ -148,8 +124,11 @@ def _generate(tiny, params_list):
 
 
 def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny):
-    seeded = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=42, ignore_eos=True)
-    other = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=43, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=42,
+                            ignore_eos=True)
+    other = SamplingParams(
+        max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=43, ignore_eos=True
+    )
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     top1 = SamplingParams(max_tokens=16, temperature=0.8, top_k=1, seed=1, ignore_eos=True)
     first = _generate(tiny, [seeded, other, greedy, top1])

@@ -3,44 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from pdserve.router.detokenizer import IncrementalDetokenizer, OutputText, StopMatcher
 from pdserve.router.tokenizer import Tokenizer
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tests.fakes import make_model_dir
 
 pytestmark = pytest.mark.unit
 
-CORPUS = ["hello world, the quick brown fox jumps over the lazy dog",
-          "naïve café, Straße, 中文文本, 日本語, emoji 🙂🚀", "STOP here ### and END."]
 SAMPLES = ["héllo 中文 🙂 ok", "Straße 🚀🚀 日本語のテキスト", "plain ascii text", "🙂"]
-
-
-def make_model_dir(root: Path, *, max_context: int = 64, merges: bool = True) -> Path:
-    """A tiny Hugging Face-style directory: byte-level BPE tokenizer.json plus configs.
-
-    `merges=False` gives a bytes-only vocabulary: every UTF-8 byte is its own token, so every
-    non-ASCII character is split across tokens.
-    """
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320 if merges else 258, show_progress=False,
-                                  special_tokens=["<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    root.mkdir(parents=True, exist_ok=True)
-    tok.save(str(root / "tokenizer.json"))
-    (root / "config.json").write_text(json.dumps({
-        "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_context,
-        "bos_token_id": 0, "eos_token_id": 1}))
-    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1]}))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    return root
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["bpe", "bytes"])
@@ -139,9 +111,3 @@ def test_output_text_releases_partial_stop_at_end(tokenizer):
     assert text.finish() == "END" and not text.stopped
 
 
-def test_router_never_imports_torch():
-    code = ("import sys, pdserve.router.main, pdserve.router.lifecycle; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
-            "sys.exit(f'router imported {bad}' if bad else 0)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr

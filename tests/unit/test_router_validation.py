@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import pytest
+from pdserve.common import wire
 from pdserve.common.errors import InvalidArgument
+from pdserve.common.layout import pages_for_tokens
+from pdserve.router.api import GenerateInput
 from pdserve.router.placement import (
     DecodeLoad,
     PrefillLoad,
-    pages_needed,
     rank_decode,
     rank_prefill,
 )
-from pdserve.router.pool import parse_addresses
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import DEFAULT_MAX_TOKENS, validate
-from pdserve.v1 import router_pb2
 
-from tests.unit.test_router_text import make_model_dir
+from tests.fakes import make_model_dir
 
 pytestmark = pytest.mark.unit
 
@@ -28,28 +28,32 @@ def tok(tmp_path_factory) -> Tokenizer:
     return Tokenizer.from_dir(make_model_dir(tmp_path_factory.mktemp("m"), max_context=32))
 
 
+def request(**fields: object) -> GenerateInput:
+    """A GenerateInput as a front door builds it (lists become tuples)."""
+    return GenerateInput(**{k: tuple(v) if isinstance(v, list) else v  # type: ignore[arg-type]
+                            for k, v in fields.items()})
+
+
 def test_defaults(tok):
-    gen = validate(router_pb2.GenerateRequest(prompt="hello world"), tok, MODEL)
+    gen = validate(request(prompt="hello world"), tok, MODEL)
     assert len(gen.request_id) == 32
     assert gen.prompt_ids == tuple(tok.encode("hello world"))
     s = gen.sampling
     assert (s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == (1.0, 1.0, 0, None, False)
-    assert gen.requested_max_tokens == DEFAULT_MAX_TOKENS
-    assert s.max_tokens == 32 - len(gen.prompt_ids)  # clamped to the context
-    wire = s.to_proto()
-    assert wire.max_tokens == s.max_tokens and not wire.HasField("seed")
+    assert DEFAULT_MAX_TOKENS > 32 and s.max_tokens == 32 - len(gen.prompt_ids)  # clamped
+    pb = wire.sampling_to_pb(s)
+    assert pb.max_tokens == s.max_tokens and not pb.HasField("seed")
 
 
 def test_explicit_values_kept(tok):
-    req = router_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=4, temperature=0.0, top_p=0.5,
-                                     top_k=3, seed=9, stop=["\n"], ignore_eos=True,
-                                     request_id="client-1", model=MODEL)
+    req = request(token_ids=[5, 6, 7], max_tokens=4, temperature=0.0, top_p=0.5, top_k=3, seed=9,
+                  stop=["\n"], ignore_eos=True, request_id="client-1", model=MODEL)
     gen = validate(req, tok, MODEL)
     assert (gen.request_id, gen.prompt_ids, gen.stop) == ("client-1", (5, 6, 7), ("\n",))
     s = gen.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.ignore_eos) == \
         (4, 0.0, 0.5, 3, 9, True)
-    assert s.to_proto().seed == 9
+    assert wire.sampling_to_pb(s).seed == 9
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -72,19 +76,15 @@ def test_explicit_values_kept(tok):
 ])
 def test_invalid_requests_name_the_field(tok, kwargs, needle):
     with pytest.raises(InvalidArgument) as err:
-        validate(router_pb2.GenerateRequest(**kwargs), tok, MODEL)
+        validate(request(**kwargs), tok, MODEL)
     assert err.value.code == "INVALID_ARGUMENT"
     assert err.value.message.startswith(needle.split("=")[0] + "=")
     assert needle in err.value.message
 
 
-def test_parse_addresses():
-    assert parse_addresses(" a:1, b:2,,a:1 ") == ("a:1", "b:2")
-    assert parse_addresses(["a:1,b:2", "c:3"]) == ("a:1", "b:2", "c:3")
 
-
-def test_pages_needed():
-    assert [pages_needed(n, 16) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+def test_pages_for_tokens():
+    assert [pages_for_tokens(n, 16) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
 
 
 def test_prefill_least_pending_tokens_healthy_only():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.service
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,17 +1,19 @@
-"""Settings shared by the prefill and decode workers (each adds its own on top)."""
+"""Settings shared by the prefill, decode and co-located workers (each adds its own on top)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdserve.common.config import ServerConfig, option, require
+from pdserve.common.models import DEFAULT_MODEL
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class WorkerConfig(ServerConfig):
-    model: str = option("tiny", "a local Hugging Face model directory, or tiny / small (built-in)")
+    model: str = option(DEFAULT_MODEL,
+                        "a local Hugging Face model directory, or tiny / small (built-in)")
     dtype: str = option("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
@@ -20,9 +22,13 @@ class WorkerConfig(ServerConfig):
     kv_cache_mb: int = option(512, "KV pool size in MiB when --num-pages is 0")
     chunk_size: int = option(512, "prompt tokens per sequence per prefill step")
     max_num_seqs: int = option(256, "sequences in one decode batch")
+    max_prefill_tokens: int = option(2048, "prompt tokens of all sequences in one prefill step")
     kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent")
     worker_id: str = option("", "name in stats, traces and logs (default: role@host:port)")
     advertise_host: str = option("127.0.0.1", "host name peers use to reach this worker")
+    threads: int = option(0, "torch threads (0: this process's CPU allowance, i.e. its cores "
+                             "capped by its cgroup CPU quota, as a pod's limits set them)")
+    warmup: bool = option(True, "run one throwaway request before reporting SERVING")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,6 +37,8 @@ class WorkerConfig(ServerConfig):
         require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
         require(self.chunk_size > 0, "chunk_size", self.chunk_size, "> 0")
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
+        require(self.max_prefill_tokens > 0, "max_prefill_tokens", self.max_prefill_tokens, "> 0")
+        require(self.threads >= 0, "threads", self.threads, ">= 0 (0 = the CPU allowance)")
         require(":" in self.kv_agent, "kv_agent", self.kv_agent, "host:port")
         require(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                 "cpu, cuda or cuda:N")

@@ -10,7 +10,6 @@ import socket
 import sys
 import textwrap
 import threading
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -22,9 +21,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from pdserve.common import config, errors, logs, server
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
-from tests.support import ServiceProcess, free_port, wait_serving
+from tests.support import ServiceProcess, free_port, wait_for, wait_serving
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.service
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -87,10 +86,8 @@ def test_health_follows_ready_for_overall_and_each_service(started):
     for service in ("", "pdserve.v1.Router", "pdserve.v1.Decode"):
         assert check(channel, service) == SERVING
     ready.clear()  # readiness is followed for the server's life, not only at start
-    deadline = time.monotonic() + 5
-    while check(channel) != NOT_SERVING:
-        assert time.monotonic() < deadline, "health did not follow ready() back to NOT_SERVING"
-        time.sleep(0.05)
+    assert wait_for(lambda: check(channel) == NOT_SERVING, timeout_s=5), \
+        "health did not follow ready() back to NOT_SERVING"
 
 
 def test_reflection_lists_services(started):
@@ -146,25 +143,6 @@ def test_drain_finishes_in_flight_stream_then_stops(started):
 class AbortingContext:
     def abort(self, code, details):
         raise RuntimeError(f"{code.name}: {details}")
-
-
-def test_map_errors_decorator_for_unary_and_stream_handlers():
-    @server.map_errors
-    def unary(request, context):
-        raise errors.NotFound(f"no ticket {request}")
-
-    @server.map_errors
-    def stream(request, context):
-        yield 1
-        raise errors.FailedPrecondition("layout mismatch")
-
-    with pytest.raises(RuntimeError, match="NOT_FOUND: no ticket t1"):
-        unary("t1", AbortingContext())
-    items = stream("r", AbortingContext())
-    assert next(items) == 1
-    with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: layout mismatch"):
-        next(items)
-    assert errors.ServiceError("x", code="ABORTED").code == "ABORTED"
 
 
 def test_busy_port_fails_with_clear_message():
@@ -256,6 +234,7 @@ def test_outcome_log_line_json(capsys):
         logs.outcome(logging.getLogger("pdserve.t"), "done", request_id="x", ms=1.5)
         line = capsys.readouterr().err.strip().splitlines()[-1]
         obj = json.loads(line)
-        assert (obj["msg"], obj["request_id"], obj["ms"], obj["service"]) == ("done", "x", 1.5, "demo")
+        assert (obj["msg"], obj["request_id"], obj["ms"], obj["service"]) == \
+            ("done", "x", 1.5, "demo")
     finally:
         logs.setup_logging("text", "WARNING")

@@ -12,16 +12,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from pdserve.common import server
 from pdserve.common.config import parse_config
+from pdserve.common.models import resolve_model_name
 from pdserve.router.config import RouterConfig
-from pdserve.router.main import main, resolve_model
+from pdserve.router.main import main, model_dir
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
+from tests.fakes import FakeDecode, FakePrefill, Script, make_model_dir
 from tests.support import ServiceProcess, free_port, wait_serving
-from tests.unit.test_router_lifecycle import FakeDecode, FakePrefill, Script
-from tests.unit.test_router_text import make_model_dir
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.service
 
 
 def test_help_lists_every_flag_with_its_env_twin(capsys):
@@ -39,7 +39,8 @@ def test_env_twins_fill_the_config():
     env = {"PDSERVE_ROUTER_PREFILL": "a:1,b:2", "PDSERVE_ROUTER_DECODE": "c:3",
            "PDSERVE_ROUTER_PORT": "6000", "PDSERVE_ROUTER_MAX_RETRIES": "2"}
     cfg = parse_config(RouterConfig, "router", [], env=env)
-    assert (cfg.prefill, cfg.decode, cfg.port, cfg.max_retries) == (("a:1", "b:2"), ("c:3",), 6000, 2)
+    assert (cfg.prefill, cfg.decode, cfg.port, cfg.max_retries) == \
+        (("a:1", "b:2"), ("c:3",), 6000, 2)
     cfg = parse_config(RouterConfig, "router", ["--decode", "a:1"], env=env)  # co-located worker
     assert cfg.decode == ("a:1",)
 
@@ -57,19 +58,17 @@ def test_bad_flags_exit_2_naming_the_field(capsys, argv, needle):
 
 
 def test_model_directory_named_after_itself(tmp_path):
-    path, name = resolve_model(str(make_model_dir(tmp_path / "my-model")))
-    assert name == "my-model" and (path / "tokenizer.json").is_file()
-    with pytest.raises(FileNotFoundError):
-        resolve_model("no/such/dir")
+    ref = resolve_model_name(str(make_model_dir(tmp_path / "my-model")))
+    assert ref.name == "my-model" and (model_dir(ref) / "tokenizer.json").is_file()
+    with pytest.raises(FileNotFoundError, match="'no/such/dir' is neither"):
+        resolve_model_name("no/such/dir")
 
 
-@pytest.mark.service
 def test_builtin_model_from_a_child_process():
-    path, name = resolve_model(None)
-    assert name == "builtin-tiny" and (path / "tokenizer.json").is_file()
+    ref = resolve_model_name(None)
+    assert ref.name == "builtin-tiny" and (model_dir(ref) / "tokenizer.json").is_file()
 
 
-@pytest.mark.service
 def test_router_process_serves_reflects_and_drains(tmp_path):
     """Fake co-located worker (Prefill and Decode on one address) + a real router process."""
     script = Script()

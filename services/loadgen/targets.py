@@ -1,0 +1,178 @@
+"""What a benchmark sends requests to: a pdserve router over gRPC (its Timing message gives the
+TTFT components) or any OpenAI-compatible server over HTTP (/v1/completions, streamed), so
+pdserve's own HTTP API, vLLM and SGLang are measured by the same client.
+
+Both record the same things: time to the first token, the gap before every later chunk that
+carried tokens, the end, the output token count; greedy, EOS ignored, prompts as token ids.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from abc import ABC, abstractmethod
+
+import grpc
+from pdserve.loadgen.stats import RequestRecord
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+COMPONENTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms", "ttft_ms")
+
+
+class Target(ABC):
+    """Sends one request and records what the client saw. Thread-safe."""
+
+    name: str
+
+    @abstractmethod
+    def send(self, record: RequestRecord, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> None:
+        """Fill `record` (ok, times, tokens; `error` on failure); never raises for a failed
+        request."""
+
+    def close(self) -> None:  # noqa: B027 (most targets hold nothing to close)
+        """Release connections."""
+
+
+class _Clock:
+    def __init__(self, record: RequestRecord):
+        self.record = record
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.record.ttft_ms = (now - self.start) * 1e3
+        else:
+            self.record.itl_ms.append((now - self.last) * 1e3)
+        self.last = now
+        self.record.output_tokens += n
+
+    def end(self) -> None:
+        self.record.e2e_ms = (time.perf_counter() - self.start) * 1e3
+
+
+class GrpcTarget(Target):
+    """`grpc://host:port` or `host:port`: a pdserve router."""
+
+    def __init__(self, address: str):
+        self.address = address.removeprefix("grpc://")
+        self.name = f"grpc://{self.address}"
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def send(self, record: RequestRecord, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> None:
+        clock = _Clock(record)
+        request = router_pb2.GenerateRequest(token_ids=prompt_ids, max_tokens=max_tokens,
+                                             temperature=0.0, ignore_eos=True)
+        try:
+            for msg in self._stub.Generate(request, timeout=timeout_s):
+                kind = msg.WhichOneof("kind")
+                if kind == "delta":
+                    clock.tokens(len(msg.delta.token_ids))
+                elif kind == "timing":
+                    record.components = {k: getattr(msg.timing, k) for k in COMPONENTS}
+                elif kind == "finish":
+                    record.ok = True
+        except grpc.RpcError as exc:
+            record.error = f"{exc.code().name}: {exc.details()}"
+        clock.end()
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class OpenAITarget(Target):
+    """`http://host:port[/v1]`: any server with the OpenAI completions API."""
+
+    def __init__(self, base_url: str, model: str | None = None):
+        url = urllib.parse.urlsplit(base_url.rstrip("/"))
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"target {base_url!r}: expected http://HOST:PORT[/v1]")
+        self._https = url.scheme == "https"
+        self._host, self._port = url.hostname, url.port or (443 if self._https else 80)
+        self._prefix = url.path if url.path.endswith("/v1") else url.path + "/v1"
+        self.name = f"{url.scheme}://{url.netloc}{self._prefix}"
+        self.model = model or self._first_model()
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=timeout_s)
+
+    def _first_model(self) -> str:
+        conn = self._connection(30.0)
+        try:
+            conn.request("GET", f"{self._prefix}/models")
+            reply = conn.getresponse()
+            body = reply.read()
+            if reply.status != 200:
+                raise ConnectionError(f"{self.name}/models: HTTP {reply.status} {body[:200]!r}")
+            models = json.loads(body)["data"]
+            if not models:
+                raise ConnectionError(f"{self.name}/models lists no model")
+            return str(models[0]["id"])
+        finally:
+            conn.close()
+
+    def send(self, record: RequestRecord, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> None:
+        clock = _Clock(record)
+        body = json.dumps({"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}})
+        conn = self._connection(timeout_s)
+        try:
+            conn.request("POST", f"{self._prefix}/completions", body=body,
+                         headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            if reply.status != 200:
+                record.error = f"HTTP {reply.status}: {reply.read()[:300].decode(errors='replace')}"
+                return
+            self._read_stream(reply, record, clock)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            clock.end()
+            conn.close()
+
+    @staticmethod
+    def _read_stream(reply: http.client.HTTPResponse, record: RequestRecord,
+                     clock: _Clock) -> None:
+        usage_tokens = None
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                record.ok = True
+                break
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                record.error = f"stream error: {chunk['error']}"
+                return
+            text = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
+            if text:
+                clock.tokens(1)  # a chunk with text: one arrival (counted again from usage)
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            extra = chunk.get("pdserve") or {}
+            timing = extra.get("timing") if isinstance(extra, dict) else None
+            if isinstance(timing, dict):
+                record.components = {k: float(timing[k]) for k in COMPONENTS if k in timing}
+        if usage_tokens is not None:
+            record.output_tokens = int(usage_tokens)
+
+
+def make_target(spec: str, model: str | None = None) -> Target:
+    """`grpc://HOST:PORT` (or HOST:PORT) for a pdserve router, `http(s)://HOST:PORT[/v1]` for an
+    OpenAI-compatible server."""
+    if spec.startswith(("http://", "https://")):
+        return OpenAITarget(spec, model)
+    return GrpcTarget(spec)

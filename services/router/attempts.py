@@ -1,0 +1,318 @@
+"""Everything before a request's first token, with retries: the one retry loop of the router.
+
+One attempt is: reserve pages on a decode worker D, run prefill on a prefill worker P (which
+ships the KV into D's pages), then, unless the first token already ends the request, open
+D's Decode stream and read its first message (the sequence is live in D's batch). The
+result, `Started`, is what the lifecycle streams to the client.
+
+An attempt that fails in a way another worker may not (UNAVAILABLE, DEADLINE_EXCEEDED,
+ABORTED anywhere; FAILED_PRECONDITION when decode starts, i.e. the handoff's lease or data did
+not hold) releases its reservation and the next attempt avoids the workers that failed, at
+most `max_retries` more times. Nothing has reached the client yet, so a retry is always safe.
+Each attempt's workers see the request id `<id>#<n>` from the second attempt on, so a late
+Abort of a failed attempt can never hit the retry's reservation.
+
+The reservation's state lives on the decode worker (its lease book); the router holds only a
+`ReservationHandle` to release it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from pdserve.common import tracing, wire
+from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
+from pdserve.router.cancel import CallScope, ClientCancelled
+from pdserve.router.placement import rank_decode, rank_prefill
+from pdserve.router.pool import WorkerPool
+from pdserve.router.validation import Generation
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+
+log = logging.getLogger("pdserve.router")
+
+RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"})
+# Decode failing before its first message: the worker died, or the handoff's lease or data
+# did not hold. Nothing was streamed, so another attempt is still allowed.
+DECODE_START_RETRYABLE = RETRYABLE | {"FAILED_PRECONDITION"}
+LEASE_MARGIN_S = 10.0  # decode leases = the prefill deadline + this
+
+
+class ReservationHandle:
+    """The router's handle on pages reserved for it on a decode worker: the ticket to quote
+    and a way to give them back. `release` (Decode.Abort) runs at most once; `settle` marks
+    the sequence finished by decode itself, so nothing is left to free."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str,
+                 reply: decode_pb2.ReserveResponse, abort_timeout_s: float):
+        self.stub = stub
+        self.address = address
+        self.ticket: common_pb2.Ticket = reply.ticket
+        self.destination: common_pb2.KVDestination = reply.destination
+        self._abort_timeout_s = abort_timeout_s
+        self._lock = threading.Lock()
+        self._done = False
+
+    @property
+    def worker(self) -> str:
+        """The decode worker's own name when it gave one, else its address."""
+        return self.ticket.decode_worker or self.address
+
+    def settle(self) -> None:
+        with self._lock:
+            self._done = True
+
+    def release(self, reason: str, *, wait: bool = True) -> None:
+        """Abort the ticket on the decode worker (frees its pages). Errors are logged only."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        future = self.stub.Abort.future(decode_pb2.AbortRequest(ticket=self.ticket, reason=reason),
+                                        timeout=self._abort_timeout_s)
+        if wait:
+            _log_abort(self, future)
+        else:
+            future.add_done_callback(lambda f: _log_abort(self, f))
+
+    def release_nowait(self) -> None:
+        self.release("client cancelled", wait=False)
+
+
+def _log_abort(reservation: ReservationHandle, future: grpc.Future) -> None:
+    try:
+        future.result()
+    except grpc.RpcError as exc:
+        log.warning("Abort of %s on decode %s failed: %s %s", reservation.ticket.request_id,
+                    reservation.address, exc.code().name, exc.details())
+
+
+@dataclass
+class Started:
+    """A request whose first token is known and, unless it ended there, whose decode stream
+    is open with its first message read."""
+
+    reservation: ReservationHandle
+    prefill_address: str
+    prefill: prefill_pb2.PrefillResponse
+    prefill_sent: float  # clock() when the successful Prefill call went out
+    attempts: int
+    decode: DecodeStream | None  # None when the first token ended the request
+
+    @property
+    def prefill_worker(self) -> str:
+        return self.prefill.worker_id or self.prefill_address
+
+
+@dataclass
+class DecodeStream:
+    """An open Decode call: its first message (decode_start_ms), the rest, and its span."""
+
+    call: Any  # the grpc stream (iterator of DecodeResponse, with .cancel())
+    first: decode_pb2.DecodeResponse
+    span: tracing.Span
+
+    def messages(self) -> Iterator[decode_pb2.DecodeResponse]:
+        yield self.first
+        yield from self.call
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The request id the workers see: the client's on the first attempt, `<id>#<n>` on the
+    n-th, so a late Abort of a failed attempt can never hit the retry's reservation."""
+    return request_id if attempt == 1 else f"{request_id}#{attempt}"
+
+
+class _Retry(Exception):
+    """One attempt failed in a way another attempt may not."""
+
+    def __init__(self, message: str, prefill: str | None = None, decode: str | None = None,
+                 code: str = "UNAVAILABLE"):
+        super().__init__(message)
+        self.prefill = prefill
+        self.decode = decode
+        self.code = code  # the status the attempt's span records
+
+
+class AttemptRunner:
+    """Reserve + prefill + decode start for one request, with bounded retries."""
+
+    def __init__(self, pool: WorkerPool, *, max_retries: int = 1, reserve_timeout_s: float = 5.0,
+                 prefill_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._pool = pool
+        self._max_retries = max_retries
+        self._reserve_timeout_s = reserve_timeout_s
+        self._prefill_timeout_s = prefill_timeout_s
+        self._abort_timeout_s = abort_timeout_s
+        self._clock = clock
+
+    def run(self, gen: Generation, scope: CallScope,
+            ends_at_first_token: Callable[[int], bool]) -> Started:
+        """Return the started request, or raise `ServiceError` / `ClientCancelled`.
+
+        `ends_at_first_token(token)` (called once per attempt that reaches its first token)
+        says whether the request is over at that token, so decode need not start.
+        """
+        avoid_prefill: set[str] = set()
+        avoid_decode: set[str] = set()
+        failures: list[str] = []
+        for attempt in range(1, self._max_retries + 2):
+            try:
+                return self._attempt(gen, scope, attempt, avoid_prefill, avoid_decode,
+                                     ends_at_first_token)
+            except _Retry as failure:
+                failures.append(str(failure))
+                log.info("request %s attempt %d failed: %s", gen.request_id, attempt, failure)
+                avoid_prefill.update(filter(None, [failure.prefill]))
+                avoid_decode.update(filter(None, [failure.decode]))
+        raise Unavailable(f"request {gen.request_id} failed before its first token after "
+                          f"{self._max_retries + 1} attempts: " + "; ".join(failures))
+
+    def _attempt(self, gen: Generation, scope: CallScope, attempt: int,
+                 avoid_prefill: set[str], avoid_decode: set[str],
+                 ends_at_first_token: Callable[[int], bool]) -> Started:
+        worker_request_id = attempt_id(gen.request_id, attempt)
+        reservation = self._reserve(gen, worker_request_id, scope, avoid_decode)
+        try:
+            address, reply, sent = self._prefill(gen, worker_request_id, reservation, scope,
+                                                 avoid_prefill)
+            stream = None
+            if not ends_at_first_token(reply.first_token):
+                stream = self._start_decode(gen, reservation, reply.first_token, scope)
+            return Started(reservation, address, reply, sent, attempt, stream)
+        except _Retry as failure:
+            reservation.release(f"attempt {attempt} failed ({failure}); retrying")
+            raise
+        except BaseException:
+            reservation.release("client cancelled" if scope.cancelled else "attempt failed")
+            raise
+
+    def _reserve(self, gen: Generation, worker_request_id: str, scope: CallScope,
+                 avoid: set[str]) -> ReservationHandle:
+        num_tokens = len(gen.prompt_ids)
+        ranked = rank_decode(self._pool.decode_loads(), num_tokens, avoid)
+        if not ranked:
+            raise Unavailable("no healthy decode worker")
+        # The lease must outlive the longest prefill this router waits for; it only matters
+        # when nobody releases the pages (this router died), and then they come back after it.
+        lease_s = self._prefill_timeout_s + LEASE_MARGIN_S
+        request = decode_pb2.ReserveRequest(request_id=worker_request_id,
+                                            num_prompt_tokens=num_tokens,
+                                            lease_ms=lease_s * 1e3)
+        full: list[str] = []
+        down: list[str] = []
+        for address in ranked:
+            stub = self._pool.decode_stub(address)
+            try:
+                reply = self._call(scope, "router.reserve", stub.Reserve, request,
+                                   self._reserve_timeout_s, f"decode {address}", address,
+                                   decode=address)
+            except (ClientCancelled, _Retry) as failure:
+                # The worker may still have granted it after we stopped waiting: release it
+                # (by request id) so the pages do not sit out the whole lease.
+                stub.Abort.future(decode_pb2.AbortRequest(
+                    ticket=common_pb2.Ticket(request_id=worker_request_id),
+                    reason="reserve abandoned by the router"), timeout=self._abort_timeout_s)
+                if isinstance(failure, ClientCancelled):
+                    raise
+                down.append(str(failure))
+                continue
+            except ResourceExhausted:
+                full.append(address)
+                continue
+            self._pool.note_reserved(address, len(reply.destination.page_ids))
+            return ReservationHandle(stub, address, reply, self._abort_timeout_s)
+        if full:  # every reachable decode worker said it has no room: tell the client now
+            raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
+                                    f"(full: {', '.join(full)})")
+        raise _Retry("no decode worker reachable: " + "; ".join(down))
+
+    def _prefill(self, gen: Generation, worker_request_id: str, reservation: ReservationHandle,
+                 scope: CallScope, avoid: set[str]
+                 ) -> tuple[str, prefill_pb2.PrefillResponse, float]:
+        ranked = rank_prefill(self._pool.prefill_loads(), avoid)
+        if not ranked:
+            raise Unavailable("no healthy prefill worker")
+        address = ranked[0]
+        request = prefill_pb2.PrefillRequest(
+            request_id=worker_request_id, token_ids=gen.prompt_ids,
+            sampling=wire.sampling_to_pb(gen.sampling), ticket=reservation.ticket,
+            destination=reservation.destination)
+        sent = self._clock()
+        with self._pool.prefill_work(address, len(gen.prompt_ids)):
+            reply = self._call(scope, "router.prefill", self._pool.prefill_stub(address).Prefill,
+                               request, self._prefill_timeout_s, f"prefill {address}", address,
+                               prefill=address, decode=reservation.address)
+        return address, reply, sent
+
+    def _start_decode(self, gen: Generation, reservation: ReservationHandle, first_token: int,
+                      scope: CallScope) -> DecodeStream:
+        """Open D's Decode stream and wait for its first message (the sequence is live)."""
+        scope.check()
+        span = tracing.start_span("router.decode_stream", kind=tracing.CLIENT,
+                                  worker=reservation.address,
+                                  request_id=reservation.ticket.request_id)
+        call = reservation.stub.Decode(decode_pb2.DecodeRequest(
+            ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first_token,
+            sampling=wire.sampling_to_pb(gen.sampling)), metadata=tracing.outgoing_metadata(span))
+        try:
+            with scope.guard(call.cancel):
+                first = next(call)
+        except StopIteration:
+            call.cancel()
+            tracing.record_error(span, "decode stream ended before its first message")
+            span.end()
+            raise _Retry(f"decode {reservation.address} ended the stream before starting the "
+                         "sequence", decode=reservation.address) from None
+        except grpc.RpcError as exc:
+            call.cancel()
+            tracing.record_error(span, exc)
+            span.end()
+            if scope.cancelled:
+                raise ClientCancelled() from None
+            where = f"decode {reservation.address} did not start the sequence"
+            if exc.code().name in DECODE_START_RETRYABLE:
+                raise _Retry(f"{where}: {exc.code().name} {exc.details()}",
+                             decode=reservation.address, code=exc.code().name) from None
+            raise ServiceError(f"{where}: {exc.details()}", exc.code().name) from None
+        except BaseException:
+            call.cancel()
+            span.end()
+            raise
+        return DecodeStream(call, first, span)
+
+    def _call(self, scope: CallScope, span_name: str, method: grpc.UnaryUnaryMultiCallable,
+              request: Any, timeout_s: float, where: str, address: str, *,
+              prefill: str | None = None, decode: str | None = None) -> Any:
+        """One unary call that client cancellation interrupts; errors sorted by what to do.
+
+        Traced as a client span (router.reserve, router.prefill) whose context the call
+        carries, so the worker's span is its child."""
+        with tracing.span(span_name, kind=tracing.CLIENT, worker=address,
+                          request_id=getattr(request, "request_id", "")):
+            scope.check()
+            future = method.future(request, timeout=timeout_s,
+                                   metadata=tracing.outgoing_metadata())
+            with scope.guard(future.cancel):
+                try:
+                    return future.result()
+                except grpc.FutureCancelledError:
+                    raise ClientCancelled() from None
+                except grpc.RpcError as exc:
+                    if scope.cancelled:
+                        raise ClientCancelled() from None
+                    code, details = exc.code().name, exc.details()
+            if code == "UNAVAILABLE":
+                self._pool.suspect(address)  # re-check its health now, not at the next round
+            if code == "RESOURCE_EXHAUSTED":
+                raise ResourceExhausted(f"{where}: {details}")
+            if code in RETRYABLE:
+                raise _Retry(f"{where}: {code} {details}", prefill=prefill, decode=decode,
+                             code=code)
+            raise ServiceError(f"{where}: {details}", code)

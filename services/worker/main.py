@@ -1,0 +1,125 @@
+"""Start-up shared by the prefill, decode and co-located workers: engine, pool registration,
+server, drain. The role supplies how to build its worker and which servicers to serve."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import grpc
+from pdserve.common.config import parse_config
+from pdserve.common.cpus import cpu_allowance, format_cpu_list
+from pdserve.common.logs import setup_logging
+from pdserve.common.metrics import WorkerMetrics, serve_metrics
+from pdserve.common.server import start
+from pdserve.common.tracing import setup_tracing, shutdown_tracing
+from pdserve.engine.loop import EngineLoop
+from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.config import WorkerConfig
+
+log = logging.getLogger("pdserve.worker")
+
+
+class Worker(Protocol):
+    """What start-up needs of a worker: its metrics, registration of its pool (with the
+    host's agent, where it has one), the drain switch, and stop."""
+
+    metrics: WorkerMetrics
+    admitting: bool
+    pool_id: str
+
+    def register(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+C = TypeVar("C", bound=WorkerConfig)
+W = TypeVar("W", bound=Worker)
+
+
+def run_worker(role: str, config_cls: type[C], argv: list[str] | None,
+               make_worker: Callable[[C, EngineLoop, str], W],
+               servicers: Callable[[W], Callable[[grpc.Server], None]], description: str) -> int:
+    """Parse config, build the engine, register the pool with the agent, serve until SIGTERM."""
+
+    cfg = parse_config(config_cls, role, argv, prog=f"pdserve {role}", description=description)
+    setup_logging(cfg.log_format, cfg.log_level, service=role)
+    setup_tracing(f"pdserve-{role}", instance_id=worker_name(role, cfg))
+    # Until the server's own drain handler takes over, a stop request unwinds through the
+    # `finally` below, so the pool's shared memory is released even during start-up.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(role, cfg, make_worker, servicers)
+    except KeyboardInterrupt:
+        log.info("%s: stopped during start-up", role)
+        return 0
+    finally:
+        shutdown_tracing()
+
+
+def worker_name(role: str, cfg: WorkerConfig) -> str:
+    """The worker's id: `--worker-id`, else role@host:port."""
+    return cfg.worker_id or f"{role}@{cfg.advertise_host}:{cfg.port}"
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
+         servicers: Callable[[W], Callable[[grpc.Server], None]]) -> int:
+    import torch
+    from pdserve.engine.setup import build_engine
+    from pdserve.worker.warmup import warm_up
+
+    threads = cfg.threads or cpu_allowance()
+    torch.set_num_threads(threads)
+    worker_id = worker_name(role, cfg)
+    engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
+                                     block_size=cfg.block_size, num_pages=cfg.num_pages,
+                                     kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
+                                     max_num_seqs=cfg.max_num_seqs,
+                                     max_prefill_tokens=cfg.max_prefill_tokens)
+    log.info("%s: model %s from %s, %d pages of %d bytes (%s), %d torch threads on cores %s",
+             worker_id, engine.model.model_id, model_dir, engine.config.num_pages,
+             engine.pool.page_bytes, engine.pool.shm_name, threads,
+             format_cpu_list(sorted(os.sched_getaffinity(0))))
+    loop = EngineLoop(engine).start()
+    worker = make_worker(cfg, loop, worker_id)
+    ready = [False]
+    metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
+    try:
+        handle = start(role, cfg.port, servicers(worker), host=cfg.host, ready=lambda: ready[0],
+                       grace_s=cfg.grace_s, on_drain=worker_drain(worker))
+        if cfg.warmup:
+            log.info("%s: warmed up in %.0f ms", worker_id, warm_up(loop, role))
+        worker.register()
+        ready[0] = True
+        log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
+        return handle.wait()
+    finally:
+        if metrics is not None:
+            metrics.close()
+        worker.stop()
+        loop.stop()
+        engine.close()
+
+
+def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
+    """The client of this host's kvtransfer agent (`--kv-agent`), once it answers."""
+    agent = AgentClient(cfg.kv_agent)
+    try:
+        agent.wait_ready(timeout_s=wait_s)
+    except BaseException:
+        agent.close()
+        raise
+    return agent
+
+
+def worker_drain(worker: Worker) -> Callable[[], None]:
+    def drain() -> None:
+        worker.admitting = False
+    return drain

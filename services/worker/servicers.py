@@ -1,0 +1,174 @@
+"""pdserve.v1.Prefill and pdserve.v1.Decode over gRPC: protos in, plain types to the worker,
+protos out. Domain errors become status codes in the server bootstrap's interceptor.
+
+Any worker with the `PrefillBackend` / `DecodeBackend` methods can be served: the prefill and
+decode workers serve one API each, the co-located worker both.
+
+Tracing: prefill.request (the whole Prefill call; the agent's kv.send is its child) with
+prefill.compute as a child; decode.reserve (Reserve), decode.admission (Decode until the
+sequence is live in the batch) and decode.stream (from then until the stream ends). One span
+per phase, never per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import grpc
+from pdserve.common import tracing, wire
+from pdserve.common.tickets import TicketKey
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from pdserve.worker.types import (
+    DecodeEvent,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    Reservation,
+    WorkerStats,
+)
+
+
+class PrefillBackend(Protocol):
+    worker_id: str
+    model_id: str
+
+    def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def stats(self) -> WorkerStats: ...
+
+
+class DecodeBackend(Protocol):
+    worker_id: str
+    model_id: str
+
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation: ...
+
+    def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]: ...
+
+    def abort(self, ticket: TicketKey) -> bool: ...
+
+    def stats(self) -> WorkerStats: ...
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillBackend):
+        self.worker = worker
+
+    def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+                ) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
+        finished, cancelled = threading.Event(), threading.Event()
+
+        def on_done() -> None:  # runs when the call ends for any reason
+            if not finished.is_set():  # the caller left before the answer
+                cancelled.set()
+                self.worker.cancel(rid)
+
+        context.add_callback(on_done)
+        domain = PrefillRequest(rid, list(request.token_ids),
+                                wire.sampling_from_pb(request.sampling),
+                                wire.ticket_from_pb(request.ticket),
+                                wire.destination_from_pb(request.destination))
+        with tracing.span("prefill.request", kind=tracing.SERVER, request_id=rid,
+                          worker_id=self.worker.worker_id, prompt_tokens=len(domain.token_ids),
+                          model=self.worker.model_id) as span:
+            started_ns = time.time_ns()
+            try:
+                result = self.worker.prefill(domain, cancelled)
+            finally:
+                finished.set()
+            tracing.record_phase("prefill.compute", span, started_ns + int(result.queue_ms * 1e6),
+                                 result.prefill_ms, prompt_tokens=len(domain.token_ids))
+            t = result.transfer
+            span.set_attributes({"queue_ms": result.queue_ms, "prefill_ms": result.prefill_ms,
+                                 "kv_transfer_ms": t.handoff_ms, "kv_bytes": t.kv_bytes,
+                                 "kv_pages": t.kv_pages, "kv_transport": t.transport})
+        return prefill_pb2.PrefillResponse(first_token=result.first_token,
+                                           queue_ms=result.queue_ms, prefill_ms=result.prefill_ms,
+                                           transfer=wire.report_to_pb(result.transfer),
+                                           worker_id=self.worker.worker_id)
+
+    def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+              ) -> common_pb2.WorkerStats:
+        return _stats_to_pb(self.worker.stats())
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeBackend):
+        self.worker = worker
+
+    def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
+                ) -> decode_pb2.ReserveResponse:
+        with tracing.span("decode.reserve", kind=tracing.SERVER, request_id=request.request_id,
+                          worker_id=self.worker.worker_id, model=self.worker.model_id,
+                          prompt_tokens=request.num_prompt_tokens) as span:
+            reservation = self.worker.reserve(request.request_id, request.num_prompt_tokens,
+                                              request.lease_ms / 1e3)
+            span.set_attribute("kv_pages", len(reservation.destination.page_ids))
+        if not context.is_active():  # the caller gave up (cancelled, timed out): free them
+            self.worker.abort(reservation.ticket)
+        return decode_pb2.ReserveResponse(
+            ticket=wire.ticket_to_pb(reservation.ticket, self.worker.worker_id),
+            destination=wire.destination_to_pb(reservation.destination),
+        )
+
+    def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.DecodeResponse]:
+        domain = DecodeRequest(
+            wire.ticket_from_pb(request.ticket),
+            list(request.prompt_token_ids),
+            request.first_token,
+            wire.sampling_from_pb(request.sampling),
+        )
+        attrs: dict[str, Any] = {
+            "request_id": request.ticket.request_id,
+            "worker_id": self.worker.worker_id,
+            "model": self.worker.model_id,
+        }
+        spans = [tracing.start_span("decode.admission", kind=tracing.SERVER, **attrs)]
+        tokens, reason = 0, ""
+        try:
+            for ev in self.worker.decode(domain):
+                if len(spans) == 1:  # the first message: the sequence is live in the batch
+                    spans[0].set_attribute("decode_start_ms", ev.decode_start_ms)
+                    spans[0].end()
+                    spans.append(tracing.start_span("decode.stream", kind=tracing.SERVER, **attrs))
+                tokens += len(ev.token_ids)
+                reason = ev.finish_reason or reason
+                yield decode_pb2.DecodeResponse(token_ids=ev.token_ids,
+                                                finish_reason=ev.finish_reason,
+                                                decode_start_ms=ev.decode_start_ms)
+        except BaseException as exc:
+            tracing.record_error(spans[-1], exc)
+            raise
+        finally:
+            spans[-1].set_attributes({"completion_tokens": tokens, "finish_reason": reason})
+            spans[-1].end()
+
+    def Abort(self, request: decode_pb2.AbortRequest, context: grpc.ServicerContext
+              ) -> decode_pb2.AbortResponse:
+        return decode_pb2.AbortResponse(found=self.worker.abort(
+            wire.ticket_from_pb(request.ticket)))
+
+    def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+              ) -> common_pb2.WorkerStats:
+        return _stats_to_pb(self.worker.stats())
+
+
+def _stats_to_pb(stats: WorkerStats) -> common_pb2.WorkerStats:
+    fields = dataclasses.asdict(stats)
+    fields["fingerprint"] = wire.fingerprint_to_pb(stats.fingerprint)
+    return common_pb2.WorkerStats(**fields)

@@ -1,0 +1,67 @@
+"""What the Prefill and Decode APIs carry, as plain types: the servicers convert the wire
+form to these and back (convert.py); the workers never see protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tickets import TicketKey
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    ticket: TicketKey
+    destination: Destination
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    finish_reason: str | None  # set when the first token already ends the request
+    queue_ms: float
+    prefill_ms: float
+    transfer: TransferReport
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages reserved on a decode worker: the ticket to quote, and where the KV must land."""
+
+    ticket: TicketKey
+    destination: Destination
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    ticket: TicketKey
+    prompt_ids: list[int]
+    first_token: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """One message of a decode stream: tokens, and on the first message the start latency."""
+
+    token_ids: list[int]
+    finish_reason: str = ""
+    decode_start_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str
+    num_pages: int
+    free_pages: int
+    running_sequences: int
+    waiting_sequences: int
+    queued_prompt_tokens: int
+    fingerprint: LayoutFingerprint
+    reserved_tickets: int = 0

@@ -1,0 +1,82 @@
+"""Hosts for multi-host tests: network namespaces on this machine joined by veth links.
+Only addresses inside the namespaces made here are used; they are removed afterwards, also
+when a test fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+SUBNET = "10.203.{}.{}"  # control link
+DATA_SUBNET = "10.204.{}.{}"  # data link: KV bytes only
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def require_root() -> None:
+    """Skip (with the reason) where namespaces cannot be made; in CI (CI=true) fail instead,
+    so the test can never silently not run there."""
+    why = ("multi-host tests need root for `ip netns`" if os.geteuid() != 0 else
+           "multi-host tests need iproute2's `ip`" if not shutil.which("ip") else "")
+    if why:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{why}, and CI must run them")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def hosts():
+    """Namespaces `A` and `B` joined by a control link (10.203.N.1/.2) and a data link
+    (10.204.N.1/.2); yields per host (namespace, control dev, control ip, data dev, data ip)."""
+    require_root()
+    tag = f"{os.getpid() % 100000}"
+    net = os.getpid() % 250 + 1
+    a, b = f"pdA{tag}", f"pdB{tag}"
+    links = {"ctl": (f"va{tag}", f"vb{tag}", SUBNET), "data": (f"da{tag}", f"db{tag}", DATA_SUBNET)}
+    created = []
+    try:
+        for ns in (a, b):
+            ip("netns", "add", ns)
+            created.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        for dev_a, dev_b, subnet in links.values():
+            ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b,
+                "netns", b)
+            for ns, dev, host in ((a, dev_a, 1), (b, dev_b, 2)):
+                ip("-n", ns, "addr", "add", f"{subnet.format(net, host)}/24", "dev", dev)
+                ip("-n", ns, "link", "set", dev, "up")
+            for ns, dev in ((a, dev_a), (b, dev_b)):  # a link comes up asynchronously
+                assert wait_operstate_up(ns, dev), f"{dev} in {ns} did not come up"
+        (ca, cb, _), (da, db, _) = links["ctl"], links["data"]
+        yield {"A": (a, ca, SUBNET.format(net, 1), da, DATA_SUBNET.format(net, 1)),
+               "B": (b, cb, SUBNET.format(net, 2), db, DATA_SUBNET.format(net, 2))}
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/operstate"),
+                             capture_output=True, text=True, timeout=30)
+        if out.stdout.strip() == "up":
+            return True
+        time.sleep(0.05)  # bounded poll of the interface state
+    return False
+
+
+def in_ns(ns: str, *argv: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def rx_bytes(ns: str, dev: str) -> int:
+    out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes"),
+                         capture_output=True, text=True, check=True, timeout=30)
+    return int(out.stdout)

@@ -1,0 +1,112 @@
+"""The direction of imports, enforced: each failure names the file, the line and the import.
+
+- `common` imports no engine, worker or service package; the engine imports no grpc, stubs,
+  UCX, worker or service package; `worker` (plumbing between engine and gRPC) imports no
+  service package; kvtransfer never imports the engine or the worker plumbing.
+- Service packages (router, prefill, decode, kvtransfer, colocated) never import each other.
+- The router imports no torch, engine or worker code, so it starts fast from a small image.
+
+Static rules read every module's imports (also those inside functions); third-party rules
+import each package's modules in a fresh interpreter and name the pdserve module whose import
+first pulled the forbidden one in.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.service
+
+SERVICES_DIR = Path(__file__).resolve().parents[2] / "services"
+SERVICES = ("router", "prefill", "decode", "kvtransfer", "colocated")
+FORBIDDEN = {  # package -> pdserve packages it must not import
+    "common": {"engine", "worker", *SERVICES},
+    "engine": {"worker", "v1", *SERVICES},
+    "worker": set(SERVICES),
+    "kvtransfer": {"engine", "worker", *(set(SERVICES) - {"kvtransfer"})},
+    "router": {"engine", "worker", *(set(SERVICES) - {"router"})},
+    "prefill": set(SERVICES) - {"prefill"},
+    "decode": set(SERVICES) - {"decode"},
+    "colocated": set(SERVICES) - {"colocated"},
+}
+THIRD_PARTY = {  # package -> third-party modules it must not load, even indirectly
+    "engine": ("grpc", "ucxx"),
+    "router": ("torch",),
+    "common": ("torch",),
+}
+
+
+def pdserve_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every `pdserve.*` import in the file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("pdserve.")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "pdserve":
+                found += [(node.lineno, f"pdserve.{a.name}") for a in node.names]
+            elif node.module.startswith("pdserve."):
+                found.append((node.lineno, node.module))
+    return found
+
+
+def violations(package: str) -> list[str]:
+    out = []
+    for path in sorted((SERVICES_DIR / package).rglob("*.py")):
+        for line, module in pdserve_imports(path):
+            target = module.split(".")[1]
+            if target in FORBIDDEN[package]:
+                out.append(f"services/{path.relative_to(SERVICES_DIR)}:{line} imports {module} "
+                           f"({package} must not import pdserve.{target})")
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_pdserve_imports_follow_the_layers(package: str) -> None:
+    assert violations(package) == []
+
+
+def test_the_checker_names_an_offending_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from pdserve.engine.model import load_model\n")
+    assert pdserve_imports(bad) == [(2, "pdserve.engine.model")]
+
+
+PROBE = textwrap.dedent("""
+    import importlib, pkgutil, sys, traceback
+    package, forbidden = sys.argv[1], set(sys.argv[2:])
+    culprits = {}
+
+    class Watch:
+        def find_spec(self, name, path=None, target=None):
+            root = name.split(".")[0]
+            if root in forbidden and root not in culprits:
+                frames = [f for f in traceback.extract_stack()
+                          if "/services/" in f.filename and "/v1/" not in f.filename]
+                where = frames[-1] if frames else None
+                culprits[root] = (f"{where.filename.split('/services/')[-1]}:{where.lineno}"
+                                  if where else "?")
+            return None
+
+    sys.meta_path.insert(0, Watch())
+    pkg = importlib.import_module(f"pdserve.{package}")
+    for info in pkgutil.walk_packages(pkg.__path__, f"pdserve.{package}."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    bad = sorted(m for m in forbidden if m in sys.modules)
+    print("; ".join(f"{m} (first imported at services/{culprits.get(m, '?')})" for m in bad))
+""")
+
+
+@pytest.mark.parametrize("package", sorted(THIRD_PARTY))
+def test_no_forbidden_third_party_module_is_loaded(package: str) -> None:
+    done = subprocess.run([sys.executable, "-c", PROBE, package, *THIRD_PARTY[package]],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", f"pdserve.{package} loads {done.stdout.strip()}"

@@ -1,0 +1,105 @@
+"""`pdserve bench serve`'s arithmetic: percentiles, SLOs and goodput, the interpolated highest
+rate at 90% attainment, seeded workloads of exact token counts, and arrival processes."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+from pdserve.loadgen.arrivals import Arrivals
+from pdserve.loadgen.stats import RequestRecord, Slo, max_rate_at, percentile, summarize
+from pdserve.loadgen.workload import Vocabulary, shapes
+
+pytestmark = pytest.mark.unit
+
+
+def record(i: int, ttft: float, e2e: float, tokens: int, ok: bool = True) -> RequestRecord:
+    return RequestRecord(i, 10, tokens, output_tokens=tokens, ok=ok, ttft_ms=ttft, e2e_ms=e2e,
+                         error="" if ok else "UNAVAILABLE: gone")
+
+
+def test_percentiles_interpolate_between_ranks():
+    assert percentile([], 50) is None
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(101)), 99) == 99
+
+
+def test_tpot_and_slo_checks():
+    r = record(0, ttft=100, e2e=1000, tokens=10)
+    assert r.tpot_ms == 100.0
+    assert Slo(ttft_ms=100, tpot_ms=100).met(r)
+    assert not Slo(ttft_ms=99).met(r) and not Slo(tpot_ms=99.9).met(r)
+    assert not Slo(e2e_ms=999).met(r)
+    assert Slo(tpot_ms=1).met(record(1, 10, 10, 1))  # one token: no TPOT to violate
+    assert not Slo(ttft_ms=1e9).met(record(2, 1, 1, 5, ok=False))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "needs at least one"), ("ttft", "is not ttft:MS"), ("itl:5", "is not ttft:MS"),
+    ("ttft:fast", "'fast' is not a number"), ("tpot:0", "must be > 0")])
+def test_bad_slos_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        Slo.parse(text)
+
+
+def test_summary_counts_goodput_and_failures():
+    records = [record(0, 50, 500, 10), record(1, 400, 900, 10), record(2, 60, 3000, 10),
+               record(3, 10, 10, 0, ok=False)]
+    s = summarize(records, duration_s=2.0, slo=Slo.parse("ttft:100,tpot:100"))
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (3, 1, 30)
+    assert s["output_throughput"] == 15.0 and s["request_throughput"] == 1.5
+    assert s["attainment"] == 0.25 and s["goodput"] == 0.5  # only request 0 meets both
+    assert s["errors"] == {"UNAVAILABLE": 1}
+    assert s["ttft_ms"]["p50"] == 60
+
+
+def test_highest_rate_at_90_percent_is_interpolated():
+    assert max_rate_at([1, 2, 4], [1.0, 0.95, 0.5]) == pytest.approx(2 + 2 * 0.05 / 0.45)
+    assert max_rate_at([1, 2], [0.95, 0.92]) == 2  # never crossed: the highest measured
+    assert max_rate_at([1, 2], [0.5, 0.4]) is None
+    assert max_rate_at([4, 1, 2], [0.5, 1.0, 0.95]) == pytest.approx(2 + 2 * 0.05 / 0.45)
+
+
+def test_workloads_are_seeded_and_shaped():
+    assert shapes("fixed:256,128", 3, seed=1) == shapes("fixed:256,128", 3, seed=2)
+    a, b = shapes("uniform:10-20,5-6", 50, seed=7), shapes("uniform:10-20,5-6", 50, seed=7)
+    assert a == b and all(10 <= s.prompt_tokens <= 20 and 5 <= s.output_tokens <= 6 for s in a)
+    mixed = shapes("mixed:128,2048,0.1,64", 2000, seed=3)
+    share = sum(s.prompt_tokens == 2048 for s in mixed) / len(mixed)
+    assert 0.07 < share < 0.13 and {s.output_tokens for s in mixed} == {64}
+    chat = shapes("chat", 500, seed=4)
+    lengths = [s.prompt_tokens for s in chat]
+    assert max(lengths) > 3 * statistics.median(lengths)  # a long tail
+    clipped = shapes("fixed:900,200", 2, seed=0, max_context=1024)
+    assert all(s.prompt_tokens + s.output_tokens < 1024 for s in clipped)
+    for bad in ("fixed:1", "zipf:1,2", "mixed:128,2048,2,64", "fixed:a,b"):
+        with pytest.raises(ValueError, match="--workload"):
+            shapes(bad, 1, seed=0)
+
+
+def test_prompts_have_exact_lengths_and_no_special_tokens(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "model": {"vocab": {f"t{i}": i for i in range(3, 50)}},
+        "added_tokens": [{"id": 0, "special": True}, {"id": 1, "special": True},
+                         {"id": 2, "special": False}]}))
+    vocab = Vocabulary.from_model_dir(tmp_path)
+    assert vocab.size == 50 and vocab.special_ids == {0, 1}
+    prompt = vocab.prompt(300, random.Random(0))
+    assert len(prompt) == 300 and not {0, 1} & set(prompt) and max(prompt) < 50
+
+
+def test_arrivals():
+    gaps = Arrivals.parse(None, 20.0, 1.0).gaps_s(4000, seed=1)
+    assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.05)
+    assert gaps == Arrivals(rate=20.0).gaps_s(4000, seed=1)
+    bursty = Arrivals(rate=20.0, burstiness=0.25).gaps_s(4000, seed=1)
+    assert statistics.mean(bursty) == pytest.approx(1 / 20, rel=0.1)
+    assert statistics.pstdev(bursty) > 1.5 * statistics.pstdev(gaps)
+    for args, message in (((None, None, 1.0), "exactly one"), ((4, 2.0, 1.0), "exactly one"),
+                          ((0, None, 1.0), "--concurrency=0"), ((None, -1.0, 1.0), "--rate=-1.0"),
+                          ((None, 1.0, 0.0), "--burstiness=0.0")):
+        with pytest.raises(ValueError, match=message):
+            Arrivals.parse(*args)

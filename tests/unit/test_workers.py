@@ -1,0 +1,208 @@
+"""The prefill, decode and co-located workers on their own: real engines (the built-in tiny
+model) stepped by their loops, plain types in and out, and an in-memory stand-in for the
+hosts' agents that copies pages from one pool into the other. No sockets, no processes."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from pdserve.colocated.worker import ColocatedWorker
+from pdserve.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tickets import TicketKey
+from pdserve.decode.worker import DecodeWorker
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.setup import build_engine
+from pdserve.prefill.worker import PrefillWorker
+from pdserve.worker.leases import WindowClosed
+from pdserve.worker.types import DecodeRequest, PrefillRequest
+
+from tests.conftest import MAX_TOKENS, PROMPTS
+
+pytestmark = pytest.mark.unit
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@dataclass
+class FakeAgents:
+    """Both hosts' agents: registered pools, open write windows, and sends that copy pages."""
+
+    tensors: dict[str, object] = field(default_factory=dict)  # worker id -> pool tensor
+    windows: dict[TicketKey, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    landed: set[TicketKey] = field(default_factory=set)
+    hold_sends: threading.Event | None = None
+    sending: threading.Event = field(default_factory=threading.Event)
+
+    def register_pool(self, worker_id, shm_name, num_pages, page_bytes, fingerprint):
+        return worker_id, 1  # pool id = worker id, agent epoch 1
+
+    def window(self, pool_id: str) -> FakeWindow:
+        return FakeWindow(self, pool_id)
+
+    def send(self, ticket, src_pool_id, src_page_ids, destination: Destination, timeout_s):
+        return FakeSend(self, ticket, src_pool_id, list(src_page_ids), destination)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeWindow:
+    agents: FakeAgents
+    pool_id: str
+
+    def open(self, key: TicketKey, page_ids: list[int], lease_s: float) -> None:
+        self.agents.windows[key] = (self.pool_id, tuple(page_ids))
+
+    def close(self, key: TicketKey) -> WindowClosed:
+        self.agents.windows.pop(key, None)
+        return WindowClosed(confirmed=True, landed=key in self.agents.landed)
+
+
+@dataclass
+class FakeSend:
+    agents: FakeAgents
+    ticket: TicketKey
+    src_pool_id: str
+    src_page_ids: list[int]
+    destination: Destination
+    cancelled: bool = False
+
+    def result(self) -> TransferReport:
+        self.agents.sending.set()
+        if self.agents.hold_sends is not None:
+            while not self.cancelled and not self.agents.hold_sends.wait(0.01):
+                pass
+        if self.cancelled:
+            raise Aborted("the KV handoff was cancelled")
+        pool_id, pages = self.agents.windows[self.ticket]
+        assert (pool_id, pages) == (self.destination.pool_id, self.destination.page_ids)
+        dst, src = self.agents.tensors[pool_id], self.agents.tensors[self.src_pool_id]
+        dst[list(pages)] = src[self.src_page_ids]
+        self.agents.landed.add(self.ticket)
+        return TransferReport(0.1, 0, len(pages), "fake", 1)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.fixture
+def pair(tiny_model_dir):
+    """A prefill worker and a decode worker joined by the fake agents."""
+    agents = FakeAgents()
+    loops = []
+    workers = []
+    for role, make in (("prefill", PrefillWorker), ("decode", DecodeWorker)):
+        engine, _ = build_engine("tiny", role=role, num_pages=64, chunk_size=32)
+        loop = EngineLoop(engine).start()
+        loops.append(loop)
+        kwargs = {"agent_address": "fake"} if role == "decode" else {}
+        worker = make(loop, agents, worker_id=role, **kwargs)
+        agents.tensors[role] = engine.pool.tensor
+        worker.register()
+        workers.append(worker)
+    yield agents, workers[0], workers[1]
+    for worker, loop in zip(workers, loops):
+        worker.stop()
+        loop.stop()
+        loop.engine.close()
+
+
+def prompt_ids(reference, prompt: str) -> list[int]:
+    tok, _ = reference
+    return tok(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_prefill_then_decode_is_token_exact_and_frees_every_page(pair, reference):
+    agents, prefill, decode = pair
+    _, expected = reference
+    for i, prompt in enumerate(PROMPTS):
+        ids = prompt_ids(reference, prompt)
+        reservation = decode.reserve(f"r{i}", len(ids), 0.0)
+        result = prefill.prefill(PrefillRequest(f"r{i}", ids, GREEDY, reservation.ticket,
+                                                reservation.destination), threading.Event())
+        assert result.transfer.transport == "fake" and result.finish_reason is None
+        events = list(decode.decode(DecodeRequest(reservation.ticket, ids, result.first_token,
+                                                  GREEDY)))
+        tokens = [result.first_token] + [t for ev in events for t in ev.token_ids]
+        assert tokens == expected[prompt][1], prompt
+        assert events[0].decode_start_ms > 0 and events[-1].finish_reason == "length"
+    for worker in (prefill, decode):
+        stats = worker.stats()
+        assert stats.free_pages == stats.num_pages and stats.running_sequences == 0
+    assert decode.stats().reserved_tickets == 0
+
+
+def test_decode_refuses_a_handoff_that_did_not_land_and_frees_its_pages(pair, reference):
+    agents, _, decode = pair
+    reservation = decode.reserve("r", 20, 0.0)
+    with pytest.raises(FailedPrecondition, match="KV handoff for r has not completed"):
+        list(decode.decode(DecodeRequest(reservation.ticket, list(range(5, 25)), 7, GREEDY)))
+    assert decode.stats().free_pages == 64 and reservation.ticket not in agents.windows
+
+
+def test_abort_releases_a_reservation_and_a_bad_prompt_is_refused(pair):
+    _, prefill, decode = pair
+    reservation = decode.reserve("r", 40, 0.0)
+    assert decode.stats().free_pages == 61
+    assert decode.abort(reservation.ticket) and not decode.abort(reservation.ticket)
+    assert decode.stats().free_pages == 64
+    with pytest.raises(InvalidArgument, match="token id 100000 is outside the vocabulary"):
+        prefill.prefill(PrefillRequest("bad", [5, 100000], GREEDY, reservation.ticket,
+                                       reservation.destination), threading.Event())
+
+
+def test_cancel_during_the_send_frees_the_prefill_pages(pair, reference):
+    agents, prefill, decode = pair
+    ids = prompt_ids(reference, PROMPTS[3])
+    reservation = decode.reserve("r", len(ids), 0.0)
+    agents.hold_sends = threading.Event()
+    cancelled = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            prefill.prefill(PrefillRequest("r", ids, GREEDY, reservation.ticket,
+                                           reservation.destination), cancelled)
+        except BaseException as exc:
+            failure.append(exc)
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert agents.sending.wait(10)  # the send is in flight: cancel it as the servicer would
+    cancelled.set()
+    prefill.cancel("r")
+    thread.join(10)
+    assert isinstance(failure[0], Aborted) and "during its KV handoff" in str(failure[0])
+    assert prefill.stats().free_pages == prefill.stats().num_pages
+    assert decode.abort(reservation.ticket) and decode.stats().free_pages == 64
+
+
+def test_colocated_worker_composes_both_roles(tiny_model_dir, reference):
+    engine, _ = build_engine("tiny", role="colocated", num_pages=64, chunk_size=32)
+    loop = EngineLoop(engine).start()
+    worker = ColocatedWorker(loop, worker_id="both")
+    worker.register()
+    _, expected = reference
+    try:
+        for i, prompt in enumerate(PROMPTS[:4]):
+            ids = prompt_ids(reference, prompt)
+            reservation = worker.reserve(f"r{i}", len(ids), 0.0)
+            result = worker.prefill(PrefillRequest(f"r{i}", ids, GREEDY, reservation.ticket,
+                                                   reservation.destination), threading.Event())
+            assert result.transfer.transport == "local"
+            events = list(worker.decode(DecodeRequest(reservation.ticket, ids,
+                                                      result.first_token, GREEDY)))
+            assert [result.first_token] + [t for e in events for t in e.token_ids] == \
+                expected[prompt][1]
+        reservation = worker.reserve("gone", 10, 0.0)
+        assert worker.abort(reservation.ticket)
+        with pytest.raises(FailedPrecondition, match="no prefilled sequence nope"):
+            list(worker.decode(DecodeRequest(TicketKey("nope", 0), [5], 6, GREEDY)))
+        assert worker.stats().free_pages == 64 and worker.stats().role == "colocated"
+    finally:
+        worker.stop()
+        loop.stop()
+        engine.close()
