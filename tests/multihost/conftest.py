@@ -4,12 +4,18 @@ when a test fails."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.support import ServiceProcess
 
 SUBNET = "10.203.{}.{}"  # control link
 DATA_SUBNET = "10.204.{}.{}"  # data link: KV bytes only
@@ -92,3 +98,40 @@ def rx_bytes(ns: str, dev: str) -> int:
     out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes"),
                          capture_output=True, text=True, check=True, timeout=30)
     return int(out.stdout)
+
+
+@contextlib.contextmanager
+def two_host_stack(hosts: dict[str, tuple[str, str, str, str, str]], transport: str,
+                   model_dir: Path) -> Iterator[list[ServiceProcess]]:
+    """Router, prefill worker and agent on host A; decode worker and agent on host B. All
+    gRPC on the control link; the agents' data path on the data link (UCX over TCP there, so
+    it never takes shared memory on this one machine). Stopped, logs removed, on exit."""
+    ns_a, _, ip_a, data_a, data_ip_a = hosts["A"]
+    ns_b, _, ip_b, data_b, data_ip_b = hosts["B"]
+    py = [sys.executable, "-m"]
+    ucx = {"UCX_TLS": "tcp"}
+    procs = [
+        (in_ns(ns_a, *py, "pdserve.kvtransfer.main", "--port", "50081",
+               "--advertise-host", data_ip_a, "--transport", transport),
+         {**ucx, "UCX_NET_DEVICES": data_a}),
+        (in_ns(ns_b, *py, "pdserve.kvtransfer.main", "--port", "50081",
+               "--advertise-host", data_ip_b, "--transport", transport),
+         {**ucx, "UCX_NET_DEVICES": data_b}),
+        (in_ns(ns_a, *py, "pdserve.prefill.main", "--kv-agent", f"{ip_a}:50081",
+               "--advertise-host", ip_a, "--kv-cache-mb", "16"), {}),
+        (in_ns(ns_b, *py, "pdserve.decode.main", "--kv-agent", f"{ip_b}:50081",
+               "--advertise-host", ip_b, "--kv-cache-mb", "16"), {}),
+        (in_ns(ns_a, *py, "pdserve.router.main", "--model", str(model_dir),
+               "--prefill", f"{ip_a}:50061", "--decode", f"{ip_b}:50071"), {}),
+    ]
+    running = [ServiceProcess(argv, env) for argv, env in procs]
+    try:
+        yield running
+    finally:
+        for p in reversed(running):
+            p.stop()
+            Path(p.log.name).unlink(missing_ok=True)
+
+
+def logs_of(running: list[ServiceProcess]) -> str:
+    return "\n".join(f"--- {' '.join(p.proc.args[3:6])}\n{p.output()[-1500:]}" for p in running)

@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.multihost.conftest import in_ns
-from tests.support import ServiceProcess
+from tests.multihost.conftest import in_ns, logs_of, two_host_stack
 
 pytestmark = pytest.mark.multihost
 
@@ -71,38 +69,19 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 def test_cancel_during_the_kv_send_frees_pages_on_both_sides(hosts, transport, tiny_model_dir):
-    ns_a, _, ip_a, data_a, data_ip_a = hosts["A"]
-    ns_b, _, ip_b, data_b, data_ip_b = hosts["B"]
+    ns_a, _, ip_a, data_a, _ = hosts["A"]
+    ns_b, _, ip_b, data_b, _ = hosts["B"]
     for ns, dev in ((ns_a, data_a), (ns_b, data_b)):  # about 0.5 MB/s each way
         subprocess.run(in_ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                              "4mbit", "burst", "16kb", "latency", "5s"), check=True, timeout=30)
-    py = [sys.executable, "-m"]
-    ucx = {"UCX_TLS": "tcp"}
-    procs = [
-        (in_ns(ns_a, *py, "pdserve.kvtransfer.main", "--advertise-host", data_ip_a,
-               "--transport", transport), {**ucx, "UCX_NET_DEVICES": data_a}),
-        (in_ns(ns_b, *py, "pdserve.kvtransfer.main", "--advertise-host", data_ip_b,
-               "--transport", transport), {**ucx, "UCX_NET_DEVICES": data_b}),
-        (in_ns(ns_a, *py, "pdserve.prefill.main", "--kv-agent", f"{ip_a}:50081",
-               "--advertise-host", ip_a, "--kv-cache-mb", "16"), {}),
-        (in_ns(ns_b, *py, "pdserve.decode.main", "--kv-agent", f"{ip_b}:50081",
-               "--advertise-host", ip_b, "--kv-cache-mb", "16"), {}),
-        (in_ns(ns_a, *py, "pdserve.router.main", "--model", str(tiny_model_dir),
-               "--prefill", f"{ip_a}:50061", "--decode", f"{ip_b}:50071"), {}),
-    ]
-    running = [ServiceProcess(argv, env) for argv, env in procs]
-    try:
+    with two_host_stack(hosts, transport, tiny_model_dir) as running:
         done = subprocess.run(in_ns(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
                                     f"{ip_a}:50061", f"{ip_b}:50071"),
                               capture_output=True, text=True, timeout=300)
-        logs = "\n".join(f"--- {' '.join(p.proc.args[3:6])}\n{p.output()[-1500:]}" for p in running)
+        logs = logs_of(running)
         assert done.returncode == 0, done.stderr + logs
         out = json.loads(done.stdout.strip().splitlines()[-1])
         assert out["sending"], f"never saw the handoff in flight: {out}\n{logs}"
         assert out["decode_reserved_while_sending"]
         assert out["kinds"] == [] and out["error"] == ["CANCELLED"]  # no token streamed
         assert out["prefill_freed"] and out["decode_freed"], f"{out}\n{logs}"
-    finally:
-        for p in reversed(running):
-            p.stop()
-            Path(p.log.name).unlink(missing_ok=True)

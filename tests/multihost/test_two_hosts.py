@@ -15,13 +15,11 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import MAX_TOKENS, PROMPTS
-from tests.multihost.conftest import in_ns, rx_bytes
-from tests.support import ServiceProcess
+from tests.multihost.conftest import in_ns, logs_of, rx_bytes, two_host_stack
 
 pytestmark = pytest.mark.multihost
 
@@ -46,32 +44,15 @@ DRIVER = textwrap.dedent("""
 
 @pytest.mark.parametrize("transport", ["ucx", "tcp"])
 def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, reference, tiny_model_dir):
-    ns_a, ctl_a, ip_a, data_a, data_ip_a = hosts["A"]
-    ns_b, ctl_b, ip_b, data_b, data_ip_b = hosts["B"]
-    py = [sys.executable, "-m"]
-    ucx_env = {"UCX_TLS": "tcp"}  # same machine: keep UCX off shared memory so it uses a link
-    procs = [  # the agents' data path on the data link, their gRPC on the control link
-        (in_ns(ns_a, *py, "pdserve.kvtransfer.main", "--port", "50081",
-             "--advertise-host", data_ip_a, "--transport", transport),
-         {**ucx_env, "UCX_NET_DEVICES": data_a}),
-        (in_ns(ns_b, *py, "pdserve.kvtransfer.main", "--port", "50081",
-             "--advertise-host", data_ip_b, "--transport", transport),
-         {**ucx_env, "UCX_NET_DEVICES": data_b}),
-        (in_ns(ns_a, *py, "pdserve.prefill.main", "--kv-agent", f"{ip_a}:50081",
-             "--advertise-host", ip_a, "--kv-cache-mb", "16"), {}),
-        (in_ns(ns_b, *py, "pdserve.decode.main", "--kv-agent", f"{ip_b}:50081",
-             "--advertise-host", ip_b, "--kv-cache-mb", "16"), {}),
-        (in_ns(ns_a, *py, "pdserve.router.main", "--model", str(tiny_model_dir),
-             "--prefill", f"{ip_a}:50061", "--decode", f"{ip_b}:50071"), {}),
-    ]
-    running = [ServiceProcess(argv, env) for argv, env in procs]
-    try:
+    ns_a, _, ip_a, _, _ = hosts["A"]
+    ns_b, ctl_b, ip_b, data_b, _ = hosts["B"]
+    with two_host_stack(hosts, transport, tiny_model_dir) as running:
         before = rx_bytes(ns_b, data_b), rx_bytes(ns_b, ctl_b)
         prompts = PROMPTS[:4]
         done = subprocess.run(in_ns(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
                                   json.dumps(prompts), str(MAX_TOKENS)),
                               capture_output=True, text=True, timeout=300)
-        logs = "\n".join(f"--- {' '.join(p.proc.args[3:6])}\n{p.output()[-1500:]}" for p in running)
+        logs = logs_of(running)
         assert done.returncode == 0, done.stderr + logs
         data_rx = rx_bytes(ns_b, data_b) - before[0]
         control_rx = rx_bytes(ns_b, ctl_b) - before[1]
@@ -91,7 +72,3 @@ def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, referen
         assert data_rx >= kv_bytes, f"only {data_rx} of {kv_bytes} KV bytes crossed the data link"
         assert data_rx <= 1.25 * kv_bytes + 256 * 1024, f"{data_rx} bytes for {kv_bytes} of KV"
         assert control_rx < kv_bytes / 2, f"{control_rx} control bytes for {kv_bytes} of KV"
-    finally:
-        for p in reversed(running):
-            p.stop()
-            Path(p.log.name).unlink(missing_ok=True)
