@@ -31,7 +31,7 @@ lint: venv
 	$(BIN)/ruff check services tests
 	@mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/pdserve
 	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p pdserve.,$(TYPED)) \
-	    -m pdserve.up -m pdserve.cli -m pdserve.client
+	    -m pdserve.up -m pdserve.cli -m pdserve.client -m pdserve.certs
 
 bench: venv
 	$(BIN)/pdserve bench engine --model tiny

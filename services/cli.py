@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kvtransfer": ("pdserve.kvtransfer.main", "the per-host KV transfer agent (UCX or TCP)"),
     "colocated": ("pdserve.colocated.main",
                   "one engine doing prefill and decode (comparison baseline)"),
+    "certs": ("pdserve.certs", "make a throwaway CA and certificates: pdserve certs create DIR"),
     "model": ("pdserve.engine.builtin",
               "create the built-in model: pdserve model create tiny|small DIR"),
 }

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 
@@ -23,10 +24,42 @@ def build_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
     return req
 
 
-def stream(address: str, request: router_pb2.GenerateRequest, timeout_s: float
+def stream(address: str, request: router_pb2.GenerateRequest, timeout_s: float,
+           security: ChannelSecurity | None = None, api_key: str = ""
            ) -> Iterator[router_pb2.GenerateResponse]:
-    with grpc.insecure_channel(address) as channel:
-        yield from router_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout_s)
+    metadata = [(AUTH_HEADER, f"Bearer {api_key}")] if api_key else None
+    with open_channel(address, security) as channel:
+        yield from router_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout_s,
+                                                                metadata=metadata)
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """--tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name, --api-key (env twins)."""
+    env = os.environ.get
+    parser.add_argument("--tls", action="store_true", default=bool(env("PDSERVE_CLIENT_TLS")),
+                        help="call the router over TLS (implied by --tls-ca; "
+                             "env PDSERVE_CLIENT_TLS)")
+    parser.add_argument("--tls-ca", default=env("PDSERVE_CLIENT_TLS_CA", ""),
+                        help="CA certificate to verify the router with (default: the system "
+                             "roots; env PDSERVE_CLIENT_TLS_CA)")
+    parser.add_argument("--tls-cert", default=env("PDSERVE_CLIENT_TLS_CERT", ""),
+                        help="client certificate, if the router asks for one "
+                             "(env PDSERVE_CLIENT_TLS_CERT)")
+    parser.add_argument("--tls-key", default=env("PDSERVE_CLIENT_TLS_KEY", ""),
+                        help="key of --tls-cert (env PDSERVE_CLIENT_TLS_KEY)")
+    parser.add_argument("--tls-server-name", default=env("PDSERVE_CLIENT_TLS_SERVER_NAME", ""),
+                        help="name expected in the server certificate (default: the host of "
+                             "the address; env PDSERVE_CLIENT_TLS_SERVER_NAME)")
+    parser.add_argument("--api-key", default=env("PDSERVE_API_KEY", ""),
+                        help="API key sent as 'authorization: Bearer <key>' "
+                             "(env PDSERVE_API_KEY; prefer the env var: flags show in ps)")
+
+
+def security_from_args(args: argparse.Namespace) -> ChannelSecurity | None:
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return None
+    return ChannelSecurity(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                           server_name=args.tls_server_name)
 
 
 def breakdown(t: router_pb2.Timing) -> str:
@@ -60,11 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", action="store_true", help="print every stream message as a JSON line"
     )
+    add_security_flags(parser)
     args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    for flag in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            parser.error(f"--{flag.replace('_', '-')}={path!r}: no such file")
     out = sys.stdout
     timing: router_pb2.Timing | None = None
     try:
-        for msg in stream(args.address, build_request(args), args.timeout):
+        for msg in stream(args.address, build_request(args), args.timeout,
+                          security_from_args(args), args.api_key):
             if args.json:
                 print(json.dumps(MessageToDict(msg)), flush=True)
                 continue

@@ -5,6 +5,9 @@ prefill workers, host B the decode workers, so every handoff crosses a real UCX 
 connection between two agents. `--colocated` instead runs one engine doing both phases behind
 the same router API, for comparison. Ctrl-C (or SIGTERM) stops every process.
 `--otlp-endpoint HOST:PORT` sends every process's traces to an OpenTelemetry collector or Jaeger.
+`--tls DIR` runs every hop over TLS with mutual TLS between the services (certificates from
+DIR, made there by `pdserve certs create` when missing); `--api-key-file FILE` makes the
+router's public API ask for one of FILE's keys (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.certs import CertPaths, create
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
 from pdserve.common.health import wait_serving
+from pdserve.common.security import ChannelSecurity
 
 DEMO_PROMPT = "def fibonacci(n):"
 OTLP_ENDPOINT = re.compile(r"(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?")
@@ -56,13 +61,19 @@ class UpConfig:
     decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
     demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
-    log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on exit)")
+    log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on "
+                              "exit)")
     ready_timeout_s: float = option(300.0, "how long the stack may take to come up (s)")
     otlp_endpoint: str = option("", "send every process's traces over OTLP/gRPC to this "
                                     "collector or Jaeger, HOST:PORT (default: "
                                     "OTEL_EXPORTER_OTLP_ENDPOINT when set; none: tracing off)")
     trace_sample_ratio: float | None = option(None, "fraction of requests traced (default: "
                                                     "OTEL_TRACES_SAMPLER_ARG when set, else 1)")
+    tls: str = option("", "TLS on every hop, mutual TLS between the services, with the "
+                          "certificates in this directory (created by `pdserve certs create` "
+                          "when missing); default: plaintext")
+    api_key_file: str = option("", "the router's public API asks for one of this file's keys "
+                                   "(one a line) as 'authorization: Bearer <key>'")
 
     def __post_init__(self) -> None:
         require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
@@ -74,6 +85,8 @@ class UpConfig:
                 "otlp_endpoint", self.otlp_endpoint, "HOST:PORT or http(s)://HOST:PORT")
         require(self.trace_sample_ratio is None or 0.0 <= self.trace_sample_ratio <= 1.0,
                 "trace_sample_ratio", self.trace_sample_ratio, "a fraction in [0, 1]")
+        require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
+                self.api_key_file, "a readable file of API keys")
         for name in ("prefill_cpus", "decode_cpus"):
             text = getattr(self, name)
             if text:
@@ -96,7 +109,8 @@ class UpConfig:
         env: dict[str, str] = {}
         if self.otlp_endpoint:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = (
-                self.otlp_endpoint if "://" in self.otlp_endpoint else f"http://{self.otlp_endpoint}")
+                self.otlp_endpoint if "://" in self.otlp_endpoint
+                else f"http://{self.otlp_endpoint}")
         if self.trace_sample_ratio is not None:
             env["OTEL_TRACES_SAMPLER_ARG"] = str(self.trace_sample_ratio)
         return env
@@ -118,16 +132,36 @@ class Proc:
 
 
 def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
-    """The processes in start order (agents, workers, router), each with its metrics port."""
+    """The processes in start order (agents, workers, router), each with its metrics port
+    (and its certificates, API keys)."""
     procs = _plan(cfg, model_dir, model_name)
     cores = cfg.cpu_plan()
     for p in procs:
         p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name))
         p.argv += ["--metrics-port", str(p.metrics_port)]
+        if cfg.tls:
+            certs = CertPaths(Path(cfg.tls))
+            p.argv += ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                       "--tls-ca", str(certs.ca)]
+        if cfg.api_key_file and p.name == "router":
+            p.argv += ["--api-key-file", cfg.api_key_file]
         if cores is not None:
             role = p.name.partition("-")[0]
             p.cpus = {"prefill": cores.prefill, "decode": cores.decode}.get(role, cores.others)
     return procs
+
+
+def prepare_certs(cfg: UpConfig) -> ChannelSecurity | None:
+    """With --tls: the directory's certificates (made there first when missing), and how
+    `pdserve up` itself calls the services (as a service: the server certificate)."""
+    if not cfg.tls:
+        return None
+    certs = CertPaths(Path(cfg.tls))
+    if not certs.complete():
+        create(certs.directory)
+        print(f"wrote a throwaway CA and certificates to {certs.directory}", flush=True)
+    return ChannelSecurity(ca=str(certs.ca), cert=str(certs.server_cert),
+                           key=str(certs.server_key))
 
 
 METRICS_OFFSETS = {"router": 0, "prefill": 10, "decode": 20, "kvtransfer": 30, "colocated": 40}
@@ -172,9 +206,11 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
 
 
 class Stack:
-    def __init__(self, procs: list[Proc], log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, procs: list[Proc], log_dir: Path, env: dict[str, str] | None = None,
+                 security: ChannelSecurity | None = None):
         self.procs = procs
         self.log_dir = log_dir
+        self.security = security
         self.env = {**os.environ, **(env or {})}  # every process's environment
 
     def start(self, timeout_s: float) -> None:
@@ -187,11 +223,11 @@ class Stack:
         for p in self.procs:  # all start at once; wait in dependency order
             print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
             try:
-                wait_serving(p.address, timeout_s, p.popen)
+                wait_serving(p.address, timeout_s, p.popen, security=self.security)
             except (TimeoutError, RuntimeError) as exc:
                 print(" failed")
-                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of {p.log} ---\n"
-                                   f"{self.tail(p)}") from None
+                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of "
+                                   f"{p.log} ---\n{self.tail(p)}") from None
             print(" serving", flush=True)
 
     def tail(self, p: Proc, lines: int = 25) -> str:
@@ -244,8 +280,16 @@ def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _banner(router: str, procs: list[Proc]) -> str:
+def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:
     body = '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+    grpcurl = gen = ""
+    if cfg.tls:
+        ca = shlex.quote(str(CertPaths(Path(cfg.tls)).ca))
+        grpcurl, gen = f"-cacert {ca}", f" --tls-ca {ca}"
+    else:
+        grpcurl = "-plaintext"
+    if cfg.api_key_file:
+        grpcurl += " -H \"authorization: Bearer $PDSERVE_API_KEY\""
     metrics = [f"    {p.name:<12} http://127.0.0.1:{p.metrics_port}/metrics" for p in procs
                if p.metrics_port > 0]
     if any(p.metrics_port == 0 for p in procs):
@@ -255,10 +299,22 @@ def _banner(router: str, procs: list[Proc]) -> str:
         f"pdserve is up. Router: {router}",
         *(["  CPU partition (--no-cpu-partition to turn off):", *pinned] if pinned else []),
         *(["  Prometheus metrics:", *metrics] if metrics else []),
-        f"  grpcurl -plaintext -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
-        f"  pdserve generate --address {router} --max-tokens 32 --temperature 0 'def fibonacci(n):'",
+        *([f"  export PDSERVE_API_KEY=<a key from {cfg.api_key_file}>"]
+          if cfg.api_key_file else []),
+        f"  grpcurl {grpcurl} -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
+        f"  pdserve generate --address {router}{gen} --max-tokens 32 --temperature 0 "
+        "'def fibonacci(n):'",
         "Ctrl-C stops every process.",
     ])
+
+
+def demo_security(cfg: UpConfig) -> list[str]:
+    """The demo client's flags: the CA with --tls, the file's first key with --api-key-file."""
+    flags = ["--tls-ca", str(CertPaths(Path(cfg.tls)).ca)] if cfg.tls else []
+    if cfg.api_key_file:
+        keys = [k.strip() for k in Path(cfg.api_key_file).read_text().splitlines()]
+        flags += ["--api-key", next(k for k in keys if k and not k.startswith("#"))]
+    return flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,17 +331,19 @@ def main(argv: list[str] | None = None) -> int:
     model_name = ref.name
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(plan(cfg, model_dir, model_name), log_dir, cfg.trace_env())
+    security = prepare_certs(cfg)
+    stack = Stack(plan(cfg, model_dir, model_name), log_dir, cfg.trace_env(), security)
     router = stack.procs[-1].address
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
-        print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})", flush=True)
+        print(f"starting {len(stack.procs)} processes (model {model_name}, logs in {log_dir})",
+              flush=True)
         if stack.env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             print(f"traces: OTLP to {stack.env['OTEL_EXPORTER_OTLP_ENDPOINT']} from every process",
                   flush=True)
         stack.start(cfg.ready_timeout_s)
-        print(_banner(router, stack.procs), flush=True)
+        print(_banner(router, stack.procs, cfg), flush=True)
         if cfg.demo:
             from pdserve import client
 
@@ -293,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                     "the timings are real)" if ref.builtin_size else "")
             print(f"\ndemo: {cfg.demo_prompt!r}{note}\n", flush=True)
             status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
-                                  "--ignore-eos", cfg.demo_prompt])
+                                  "--ignore-eos", *demo_security(cfg), cfg.demo_prompt])
         else:
             reported: set[str] = set()
             while True:  # until Ctrl-C / SIGTERM

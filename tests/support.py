@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdserve.common.health import wait_serving
+from pdserve.common.security import ChannelSecurity
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,13 +63,15 @@ class ServiceProcess:
 
 @contextlib.contextmanager
 def running(argv: Sequence[str], address: str | None = None, env: dict[str, str] | None = None,
-            timeout_s: float = 90.0) -> Iterator[ServiceProcess]:
-    """Start a process, wait for it to be SERVING at `address`, stop it (and its group) after."""
+            timeout_s: float = 90.0, security: ChannelSecurity | None = None
+            ) -> Iterator[ServiceProcess]:
+    """Start a process, wait for it to be SERVING at `address` (over TLS with `security`), stop
+    it (and its group) after."""
     sp = ServiceProcess(argv, env)
     try:
         if address is not None:
             try:
-                wait_serving(address, timeout_s, sp.proc)
+                wait_serving(address, timeout_s, sp.proc, security=security)
             except Exception as exc:
                 raise RuntimeError(f"{' '.join(argv)} did not come up: {exc}\n--- log ---\n"
                                    f"{sp.output()[-4000:]}") from exc

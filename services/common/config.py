@@ -141,7 +141,43 @@ def parse_config(cls: type[T], service: str, argv: Sequence[str] | None = None, 
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class TlsOptions:
+    """TLS settings every service has (see docs/security.md); all empty: plaintext, as before.
+
+    `tls_cert` + `tls_key`: this service's certificate, served on its port and, when
+    `tls_ca` is set, presented to the services it calls. `tls_ca`: the CA that peers'
+    certificates must chain to; with it, connections to other services are verified against it
+    and this service's port requires a client certificate (mutual TLS) unless
+    `tls_client_auth` is off (the router's public port).
+    """
+
+    tls_cert: str = option("", "PEM certificate of this service (with --tls-key: TLS on its port)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM CA bundle peers' certificates must chain to; set: mutual TLS "
+                             "between services (clients present --tls-cert)")
+    tls_server_name: str = option("", "name the other services' certificates must carry "
+                                      "(default: the host of each address)")
+    tls_client_auth: bool = option(True, "with --tls-ca, refuse callers without a client "
+                                         "certificate from that CA (mutual TLS)")
+
+    def __post_init__(self) -> None:
+        require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", self.tls_key,
+                "set together with --tls-cert" if self.tls_cert else
+                "empty unless --tls-cert is set")
+        require(not self.tls_ca or bool(self.tls_cert), "tls_cert", self.tls_cert,
+                "a certificate (--tls-ca turns on mutual TLS, which needs one)")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            require(not path or os.path.isfile(path), name, path, "a readable PEM file")
+
+    @property
+    def tls(self) -> bool:
+        """TLS is on (this service serves and calls over TLS)."""
+        return bool(self.tls_cert)
+
+
+@dataclass(frozen=True)
+class ServerConfig(TlsOptions):
     """Settings every gRPC service has; a service's config subclasses this (override `port`
     and `metrics_port`)."""
 
@@ -153,6 +189,7 @@ class ServerConfig:
     log_level: str = option("INFO", "lowest level logged", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(0 <= self.port <= 65535, "port", self.port, "0..65535")
         require(-1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port,
                 "0..65535, or -1 (off)")

@@ -52,5 +52,9 @@ class Unauthenticated(ServiceError):
     code = "UNAUTHENTICATED"
 
 
+class PermissionDenied(ServiceError):
+    code = "PERMISSION_DENIED"
+
+
 class Cancelled(ServiceError):
     code = "CANCELLED"

@@ -8,16 +8,18 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.common.security import ChannelSecurity, open_channel
 
 POLL_S = 0.05
 
 
 def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None,
-                 service: str = "") -> None:
-    """Poll grpc.health.v1 at `address` until SERVING; TimeoutError / RuntimeError otherwise."""
+                 service: str = "", security: ChannelSecurity | None = None) -> None:
+    """Poll grpc.health.v1 at `address` until SERVING; TimeoutError / RuntimeError otherwise.
+    `security`: call over TLS (pdserve.common.security)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

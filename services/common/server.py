@@ -25,7 +25,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -229,7 +229,8 @@ class ServerHandle:
         self.request_stop()
 
     def drain(self) -> None:
-        """NOT_SERVING for good, `on_drain()`, wait for in-flight calls up to the grace period, stop."""
+        """NOT_SERVING for good, `on_drain()`, wait for in-flight calls up to the grace
+        period, stop."""
         self._stop_requested.set()
         self._health.enter_graceful_shutdown()
         started = time.monotonic()
@@ -249,18 +250,20 @@ class ServerHandle:
 def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
           host: str = "0.0.0.0", ready: Callable[[], bool] | None = None,
           grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
-          max_workers: int = 128) -> ServerHandle:
+          max_workers: int = 128, credentials: grpc.ServerCredentials | None = None,
+          interceptors: Sequence[grpc.ServerInterceptor] = ()) -> ServerHandle:
     """Create, register, bind and start a server; returns its handle (health NOT_SERVING
     until `ready()` is true, which is polled for the server's life; SERVING at once if None).
 
     `register(server)` adds the service's servicers (the generated `add_*_to_server`).
     `port=0` binds a free port (see `handle.port`). Raises `ServerStartError` naming the
-    address when the port cannot be bound.
+    address when the port cannot be bound. `credentials` (pdserve.common.security): a TLS port
+    instead of a plaintext one; `interceptors` run before the shared one (API keys).
     """
     interceptor = _Interceptor()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix=f"{name}-rpc"),
-                         interceptors=(interceptor,), options=SERVER_OPTIONS)
+                         interceptors=(*interceptors, interceptor), options=SERVER_OPTIONS)
     registrar = _Registrar(server)
     register(registrar)
     health_servicer = health.HealthServicer()
@@ -271,14 +274,16 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
         (*registrar.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError as exc:
         raise ServerStartError(f"{name}: cannot listen on {address}: port {port} is in use "
                                f"or the address is not available ({exc})") from None
     if bound == 0:  # older grpc reported a failed bind this way
         raise ServerStartError(f"{name}: cannot listen on {address}: port {port} is in use")
     server.start()
-    log.info("%s listening on %s:%d (%s)", name, host, bound, ", ".join(registrar.names) or "-")
+    log.info("%s listening on %s:%d%s (%s)", name, host, bound,
+             "" if credentials is None else " with TLS", ", ".join(registrar.names) or "-")
     return ServerHandle(name, server, bound, registrar.names, health_servicer, interceptor,
                         ready=ready, grace_s=grace_s, on_drain=on_drain)
 
@@ -286,7 +291,9 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
 def serve(name: str, port: int, register: Callable[[grpc.Server], None], *,
           host: str = "0.0.0.0", ready: Callable[[], bool] | None = None,
           grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
-          max_workers: int = 128) -> int:
+          max_workers: int = 128, credentials: grpc.ServerCredentials | None = None,
+          interceptors: Sequence[grpc.ServerInterceptor] = ()) -> int:
     """`start(...)` then `wait()`: serve until SIGTERM/SIGINT, drain, return exit status 0."""
     return start(name, port, register, host=host, ready=ready, grace_s=grace_s,
-                 on_drain=on_drain, max_workers=max_workers).wait()
+                 on_drain=on_drain, max_workers=max_workers, credentials=credentials,
+                 interceptors=interceptors).wait()

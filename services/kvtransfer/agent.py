@@ -8,6 +8,10 @@ arrive through the transport, which asks `accept` / `finish` (the `WriteSink` co
 `epoch` is drawn fresh at every start (milliseconds since 1970 shifted left 16 bits, plus 16
 random bits): a sender that sees a different epoch than the one a reservation was made at
 knows the destination restarted and its reservation is gone.
+
+With mutual TLS (`grant_writes`), a write from a peer is accepted only for a ticket this agent
+granted to that authenticated peer (pdserve.kvtransfer.grants), and a sender asks the
+destination for the grant (GrantWrite, over the authenticated control channel) first.
 """
 
 from __future__ import annotations
@@ -25,15 +29,19 @@ from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import AgentMetrics
+from pdserve.common.security import ChannelSecurity
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import (
     BadRequest,
     PeerUnavailable,
     StaleEpoch,
+    TicketBusy,
     TransportMismatch,
+    Unauthorized,
     UnknownPool,
     cause,
 )
+from pdserve.kvtransfer.grants import GrantBook, GrantedSink
 from pdserve.kvtransfer.peers import PeerDirectory
 from pdserve.kvtransfer.pool import Pool, expect_same
 from pdserve.kvtransfer.runs import check_page_ids, coalesce, expand
@@ -46,6 +54,9 @@ log = logging.getLogger("pdserve.kvtransfer")
 
 SWEEP_INTERVAL_S = 0.25
 MAX_LEASE_S = 3600.0
+# A sender asks for its grant right before it sends the header, so the grant has to outlive
+# only that gap; a short life keeps the grants of tickets that never got a write few.
+GRANT_TTL_S = 300.0
 LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a sender gives up
 
 
@@ -68,7 +79,8 @@ class Agent:
 
     def __init__(self, agent_id: str, transport: Transport, *, default_timeout_s: float = 30.0,
                  cancel_wait_s: float = 10.0, retention_s: float = 60.0,
-                 metrics: AgentMetrics | None = None):
+                 metrics: AgentMetrics | None = None, security: ChannelSecurity | None = None,
+                 grant_writes: bool = False):
         self.agent_id = agent_id
         self.metrics = metrics or AgentMetrics()
         self.epoch = new_epoch()
@@ -76,17 +88,25 @@ class Agent:
         self.default_timeout_s = default_timeout_s
         self.cancel_wait_s = cancel_wait_s
         self.tickets = TicketBook(retention_s=retention_s)
-        self.peers = PeerDirectory()
+        self.peers = PeerDirectory(security=security)
+        # Mutual TLS: writes need this agent's grant; sends ask the destination for one.
+        self.grants = GrantBook(ttl_s=GRANT_TTL_S) if grant_writes else None
+        self._ask_grants = security is not None and bool(security.cert)
         self._contact = PeerContact(agent_id)
         self._pools: dict[str, Pool] = {}
         self._lock = threading.Lock()
         self._next_pool = 0
         self._stop = threading.Event()
-        self._janitor = threading.Thread(target=self._sweep_loop, name="kv-lease-sweep", daemon=True)
+        self._janitor = threading.Thread(target=self._sweep_loop, name="kv-lease-sweep",
+                                         daemon=True)
 
     def start(self) -> None:
         """Start the transport's receiving side and the lease sweeper."""
-        contact = self.transport.start(traced_sink(self, self.agent_id, self.transport.name))
+        sink = traced_sink(self, self.agent_id, self.transport.name)
+        if self.grants is not None:
+            sink = GrantedSink(sink, self.grants,
+                               lambda: self.metrics.failed("unauthorized", "receive"))
+        contact = self.transport.start(sink)
         self._contact = replace(contact, agent_id=self.agent_id)
         self._janitor.start()
         log.info("agent %s up: epoch %d, transport %s", self.agent_id, self.epoch,
@@ -117,7 +137,8 @@ class Agent:
         with self._lock:
             for pool in self._pools.values():
                 if (pool.worker_id, pool.shm_name, pool.num_pages, pool.page_bytes,
-                        pool.fingerprint) == (worker_id, shm_name, num_pages, page_bytes, fingerprint):
+                        pool.fingerprint) == (worker_id, shm_name, num_pages, page_bytes,
+                                              fingerprint):
                     return pool.pool_id
             self._next_pool += 1
             pool_id = f"{worker_id}/{self._next_pool}"
@@ -144,7 +165,18 @@ class Agent:
 
     def cancel(self, key: TicketKey) -> tuple[bool, bool]:
         """Close the ticket; returns (was_pending, was_complete) once nothing writes for it."""
+        if self.grants is not None:
+            self.grants.drop(key)
         return self.tickets.cancel(key, self.cancel_wait_s)
+
+    def grant(self, key: TicketKey, peer: str, reply_to: bytes) -> bytes:
+        """A write grant for an expected ticket to the authenticated `peer` (see grants)."""
+        if self.grants is None:
+            raise Unauthorized(f"agent {self.agent_id} runs without mutual TLS: it grants no "
+                               "writes (and needs none)")
+        if self.tickets.status(key).complete:  # raises for unknown and closed tickets
+            raise TicketBusy(f"ticket {key}: its pages have already landed")
+        return self.grants.issue(key, peer, reply_to)
 
     def status(self, key: TicketKey) -> Status:
         return self.tickets.status(key)
@@ -217,6 +249,9 @@ class Agent:
                 raise TransportMismatch(f"this agent moves pages over {self.transport.name}, "
                                         f"agent {peer.agent_id} at {peer.address} over "
                                         f"{peer.transport}; run both with the same --transport")
+            if self._ask_grants:
+                header = replace(header, grant=self.peers.grant(
+                    dest.agent_address, header.ticket, self._contact.ucx_worker_address))
             try:
                 self.transport.send(peer.contact, header, views,
                                     max(0.001, deadline - time.monotonic()),
@@ -302,6 +337,8 @@ class Agent:
     def _sweep_loop(self) -> None:
         while not self._stop.wait(SWEEP_INTERVAL_S):
             self.tickets.sweep()
+            if self.grants is not None:
+                self.grants.sweep()
 
 
 def _check_pages(page_ids: Sequence[int], num_pages: int, what: str) -> None:

@@ -62,6 +62,10 @@ class TransportMismatch(Refused):
     pass
 
 
+class Unauthorized(Refused):
+    """Mutual TLS is on and the write (or grant) is not one this agent granted to its peer."""
+
+
 class TransferTimeout(KvTransferError):
     """A bounded wait on the data path ran out."""
 
@@ -93,7 +97,8 @@ def from_wire(kind: str, message: str) -> KvTransferError:
 
 _CAUSES: tuple[tuple[type[KvTransferError], str], ...] = (  # subclasses before their bases
     (StaleEpoch, "stale_epoch"), (TicketExpired, "expired"), (TicketCancelled, "cancelled"),
-    (TicketBusy, "busy"), (TransportMismatch, "transport_mismatch"), (Refused, "refused"),
+    (TicketBusy, "busy"), (Unauthorized, "unauthorized"),
+    (TransportMismatch, "transport_mismatch"), (Refused, "refused"),
     (LayoutMismatch, "layout_mismatch"), (BadRequest, "bad_request"),
     (UnknownPool, "unknown_pool"), (UnknownTicket, "unknown_ticket"), (NotFound, "not_found"),
     (TransferTimeout, "timeout"), (PeerUnavailable, "unreachable"),

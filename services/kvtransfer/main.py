@@ -13,6 +13,7 @@ import sys
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
+from pdserve.common.security import ChannelSecurity, server_credentials, ssl_server_context
 from pdserve.common.server import ServerStartError, start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.kvtransfer.agent import Agent
@@ -28,7 +29,11 @@ def make_transport(cfg: AgentConfig) -> Transport:
     """The configured transport (UCX is imported only when chosen)."""
     if cfg.transport == "tcp":
         from pdserve.kvtransfer.tcp import TcpTransport
-        return TcpTransport(cfg.host, cfg.data_port, cfg.advertise_host)
+        security = ChannelSecurity.from_options(cfg)
+        return TcpTransport(cfg.host, cfg.data_port, cfg.advertise_host,
+                            server_tls=ssl_server_context(cfg),
+                            client_tls=security.ssl_client_context() if security else None,
+                            tls_server_name=cfg.tls_server_name)
     from pdserve.kvtransfer.ucx import UcxTransport
     return UcxTransport(error_handling=cfg.ucx_error_handling)
 
@@ -39,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     setup_tracing("pdserve-kvtransfer", instance_id=cfg.name)
     agent = Agent(cfg.name, make_transport(cfg), default_timeout_s=cfg.default_timeout_s,
-                  cancel_wait_s=cfg.cancel_wait_s)
+                  cancel_wait_s=cfg.cancel_wait_s, security=ChannelSecurity.from_options(cfg),
+                  grant_writes=bool(cfg.tls_ca) and cfg.tls_client_auth)
     try:
         agent.start()
     except (OSError, RuntimeError) as exc:
@@ -52,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         handle = start(SERVICE, cfg.port,
                        lambda server: kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(
                            servicer, server),
-                       host=cfg.host, grace_s=cfg.grace_s, max_workers=64)
+                       host=cfg.host, grace_s=cfg.grace_s, max_workers=64,
+                       credentials=server_credentials(cfg))
     except ServerStartError as exc:
         log.error("%s", exc)
         if metrics is not None:

@@ -12,9 +12,28 @@ import threading
 from dataclasses import dataclass
 
 import grpc
-from pdserve.kvtransfer.errors import PeerUnavailable, StaleEpoch
+from pdserve.common import wire
+from pdserve.common.security import ChannelSecurity, open_channel
+from pdserve.common.tickets import TicketKey
+from pdserve.kvtransfer.errors import (
+    BadRequest,
+    KvTransferError,
+    PeerUnavailable,
+    Refused,
+    StaleEpoch,
+    Unauthorized,
+    UnknownTicket,
+)
 from pdserve.kvtransfer.transport import PeerContact
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+_GRANT_ERRORS: dict[grpc.StatusCode, type[KvTransferError]] = {
+    grpc.StatusCode.PERMISSION_DENIED: Unauthorized,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthorized,
+    grpc.StatusCode.NOT_FOUND: UnknownTicket,
+    grpc.StatusCode.FAILED_PRECONDITION: Refused,
+    grpc.StatusCode.INVALID_ARGUMENT: BadRequest,
+}
 
 
 @dataclass(frozen=True)
@@ -29,8 +48,9 @@ class PeerInfo:
 class PeerDirectory:
     """AgentInfo of remote agents by gRPC address; thread-safe."""
 
-    def __init__(self, rpc_timeout_s: float = 5.0):
+    def __init__(self, rpc_timeout_s: float = 5.0, security: ChannelSecurity | None = None):
         self._rpc_timeout_s = rpc_timeout_s
+        self._security = security
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._infos: dict[str, PeerInfo] = {}
@@ -65,6 +85,21 @@ class PeerDirectory:
             self._infos[address] = info
         return info
 
+    def grant(self, address: str, key: TicketKey, reply_to: bytes) -> bytes:
+        """Ask the agent at `address` for its write grant for `key` (mutual TLS; see grants)."""
+        try:
+            reply = self._stub(address).GrantWrite(kvtransfer_pb2.GrantWriteRequest(
+                ticket=wire.ticket_to_pb(key),
+                reply_to=reply_to), timeout=self._rpc_timeout_s)
+        except grpc.RpcError as exc:
+            message = (f"kvtransfer agent at {address} refused a write grant for ticket {key}: "
+                       f"{exc.code().name}: {exc.details()}")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise PeerUnavailable(message, retryable=True) from None
+            kind = _GRANT_ERRORS.get(exc.code(), PeerUnavailable)
+            raise kind(message) from None
+        return bytes(reply.grant)
+
     def forget(self, address: str) -> None:
         with self._lock:
             self._infos.pop(address, None)
@@ -80,7 +115,7 @@ class PeerDirectory:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address)
+                channel = self._channels[address] = open_channel(address, self._security)
         return kvtransfer_pb2_grpc.KVTransferStub(channel)
 
 

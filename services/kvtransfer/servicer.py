@@ -1,8 +1,9 @@
 """pdserve.v1.KVTransfer over gRPC: proto in, agent call, proto out.
 
 Domain errors become status codes in one place (`_status`): BadRequest (and LayoutMismatch)
--> INVALID_ARGUMENT, NotFound -> NOT_FOUND, Refused (expired, cancelled, stale epoch, busy)
--> FAILED_PRECONDITION, TransferTimeout -> DEADLINE_EXCEEDED, PeerUnavailable -> UNAVAILABLE.
+-> INVALID_ARGUMENT, Unauthorized (mutual TLS write grants) -> PERMISSION_DENIED, NotFound ->
+NOT_FOUND, Refused (expired, cancelled, stale epoch, busy) -> FAILED_PRECONDITION,
+TransferTimeout -> DEADLINE_EXCEEDED, PeerUnavailable -> UNAVAILABLE.
 The shared server's interceptor turns the raised `ServiceError` into the call's status.
 
 SendPages is traced as kv.send (a child of the prefill worker's span; the receiving agent's
@@ -20,6 +21,7 @@ from pdserve.common import errors as svc
 from pdserve.common import tracing
 from pdserve.common.handoff import Destination
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.security import peer_identity
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer import errors
 from pdserve.kvtransfer.agent import Agent
@@ -29,6 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _CODES: tuple[tuple[type[errors.KvTransferError], type[svc.ServiceError]], ...] = (
     (errors.BadRequest, svc.InvalidArgument),
+    (errors.Unauthorized, svc.PermissionDenied),
     (errors.NotFound, svc.NotFound),
     (errors.Refused, svc.FailedPrecondition),
     (errors.TransferTimeout, svc.DeadlineExceeded),
@@ -113,6 +116,13 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
         return kvtransfer_pb2.TransferStatusResponse(complete=status.complete,
                                                      kv_bytes=status.kv_bytes,
                                                      completed_unix_ms=status.completed_unix_ms)
+
+    @_status
+    def GrantWrite(self, request: kvtransfer_pb2.GrantWriteRequest,
+                   context: grpc.ServicerContext) -> kvtransfer_pb2.GrantWriteResponse:
+        grant = self.agent.grant(ticket_key(request.ticket), peer_identity(context),
+                                 request.reply_to)
+        return kvtransfer_pb2.GrantWriteResponse(grant=grant)
 
     def SendPages(self, request: kvtransfer_pb2.SendPagesRequest,
                   context: grpc.ServicerContext) -> kvtransfer_pb2.SendPagesResponse:

@@ -5,12 +5,17 @@ one handoff at a time per connection: header -> reply -> the runs' bytes back to
 Runs go out with `send` from pool views and land with `recv_into` into the destination views.
 A receiver whose ticket is cancelled mid-handoff stops writing at once and reads the rest of
 the bytes into a scratch buffer, so the stream stays in step and the sender learns why.
+
+With TLS (`server_tls` / `client_tls`, from the agent's --tls-* flags) every data connection
+is a TLS connection: the listener requires a client certificate from the CA under mutual TLS,
+so only authenticated agents can send a header at all, and the bytes are encrypted.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -33,6 +38,7 @@ log = logging.getLogger("pdserve.kvtransfer.tcp")
 SLICE_S = 0.05  # socket timeout between checks of deadlines, aborts and shutdown
 _LEN = struct.Struct("<I")
 _SCRATCH_BYTES = 1 << 20
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class _Closed(Exception):
@@ -54,8 +60,12 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1",
-                 max_idle_per_peer: int = 4):
+                 max_idle_per_peer: int = 4, server_tls: ssl.SSLContext | None = None,
+                 client_tls: ssl.SSLContext | None = None, tls_server_name: str = ""):
         self._bind = (host, port)
+        self._server_tls = server_tls
+        self._client_tls = client_tls
+        self._tls_server_name = tls_server_name
         self._advertise_host = advertise_host
         self._max_idle = max_idle_per_peer
         self._idle: dict[str, list[socket.socket]] = {}
@@ -74,7 +84,8 @@ class TcpTransport(Transport):
         accept = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
         accept.start()
         self._threads.append(accept)
-        log.info("TCP data listener on %s:%d", self._bind[0], port)
+        log.info("TCP data listener on %s:%d%s", self._bind[0], port,
+                 " (TLS)" if self._server_tls is not None else "")
         return PeerContact(agent_id="", tcp_address=f"{self._advertise_host}:{port}")
 
     def close(self) -> None:
@@ -136,7 +147,16 @@ class TcpTransport(Transport):
             raise PeerUnavailable(f"cannot connect to the TCP data port {address}: {exc}",
                                   retryable=True) from None
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        if self._client_tls is None:
+            return conn
+        try:
+            conn.settimeout(max(0.001, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+            return self._client_tls.wrap_socket(conn,
+                                                server_hostname=self._tls_server_name or host)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            conn.close()
+            raise PeerUnavailable(f"TLS handshake with the TCP data port {address} failed: "
+                                  f"{exc}") from None
 
     def _checkin(self, address: str, conn: socket.socket, reusable: bool) -> None:
         with self._lock:
@@ -163,6 +183,16 @@ class TcpTransport(Transport):
 
     def _serve(self, conn: socket.socket) -> None:
         """One connection: handoffs one after another until the peer closes it."""
+        if self._server_tls is not None:
+            peer = _peer_name(conn)
+            try:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                conn = self._server_tls.wrap_socket(conn, server_side=True)
+            except (OSError, ValueError) as exc:
+                log.warning("refused a TCP data connection from %s: TLS handshake failed: %s",
+                            peer, exc)
+                conn.close()
+                return
         with conn:
             try:
                 while True:
@@ -211,6 +241,14 @@ class TcpTransport(Transport):
         if in_step:
             _send_reply(conn, Reply("done") if error is None else Reply.failure("done", error))
         return in_step
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
 
 
 def _send_all(conn: socket.socket, data: bytes | np.ndarray, deadline: float,

@@ -47,10 +47,12 @@ class WriteHeader:
     dst_pool_id: str
     fingerprint: LayoutFingerprint  # the source pool's layout
     page_bytes: int
-    dst_runs: tuple[tuple[int, int], ...]  # (first destination page, number of pages), in send order
+    # (first destination page, number of pages), in send order
+    dst_runs: tuple[tuple[int, int], ...]
     timeout_ms: float  # how long the sender will wait; the receiver waits no longer
     reply_to: bytes = b""  # transport-specific return address (the sender's UCX worker address)
     traceparent: str = ""  # the sender's trace context (W3C), "" when not traced
+    grant: bytes = b""  # the receiver's write grant for the ticket (mutual TLS; see grants)
 
     @property
     def kv_bytes(self) -> int:
@@ -64,6 +66,7 @@ class WriteHeader:
             "page_bytes": self.page_bytes, "timeout_ms": self.timeout_ms,
             "reply_to": base64.b64encode(self.reply_to).decode(),
             **({"traceparent": self.traceparent} if self.traceparent else {}),
+            **({"grant": base64.b64encode(self.grant).decode()} if self.grant else {}),
         }).encode()
         runs = np.asarray(self.dst_runs, dtype="<i4").reshape(-1)
         return _PREFIX.pack(MAGIC, VERSION, len(body), len(self.dst_runs)) + body + runs.tobytes()
@@ -94,11 +97,13 @@ class WriteHeader:
                 xfer_id=int(body["xfer_id"]),
                 ticket=TicketKey(str(body["request_id"]), int(body["ticket_epoch"])),
                 dst_agent_epoch=int(body["dst_agent_epoch"]), dst_pool_id=str(body["dst_pool_id"]),
-                fingerprint=LayoutFingerprint(**body["fingerprint"]), page_bytes=int(body["page_bytes"]),
+                fingerprint=LayoutFingerprint(**body["fingerprint"]),
+                page_bytes=int(body["page_bytes"]),
                 dst_runs=tuple((int(a), int(b)) for a, b in runs.reshape(-1, 2)),
                 timeout_ms=float(body["timeout_ms"]),
                 reply_to=base64.b64decode(body["reply_to"]),
-                traceparent=str(body.get("traceparent", "")))  # checked where it is used
+                traceparent=str(body.get("traceparent", "")),  # checked where it is used
+                grant=base64.b64decode(body.get("grant", "")))
         except BadRequest:
             raise
         except (struct.error, ValueError, KeyError, TypeError) as exc:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.client import add_security_flags, security_from_args
 from pdserve.loadgen import report
 from pdserve.loadgen.arrivals import Arrivals
 from pdserve.loadgen.runner import Plan, run
@@ -64,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every record and the summaries here")
     p.add_argument("--plots", type=Path,
                    help="PNG prefix for latency CDFs, TTFT breakdown, attainment vs rate")
+    add_security_flags(p)  # --tls, --tls-ca, ..., --api-key (env PDSERVE_API_KEY)
     return p.parse_args(argv)
 
 
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     sweeps: list[tuple[str, list[float], list[float]]] = []
     for spec in args.target:
         try:
-            target = make_target(spec, args.served_model)
+            target = make_target(spec, args.served_model, security_from_args(args), args.api_key)
         except (ValueError, ConnectionError, OSError) as exc:
             print(f"pdserve bench serve: target {spec}: {exc}", file=sys.stderr)
             return 2
@@ -107,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             if rates:
                 attainment = []
                 for rate in rates:
-                    point = Plan(**{**plan.__dict__, "arrivals": Arrivals(rate=rate,
-                                                                          burstiness=args.burstiness)})
+                    arrivals = Arrivals(rate=rate, burstiness=args.burstiness)
+                    point = Plan(**{**plan.__dict__, "arrivals": arrivals})
                     records, took = run(target, point, f"rate {rate:g}")
                     summary = summarize(records, took, slo)
                     attainment.append(float(summary["attainment"]))  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import urllib.parse
 from abc import ABC, abstractmethod
 
 import grpc
+from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
 from pdserve.loadgen.stats import RequestRecord
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -60,10 +61,12 @@ class _Clock:
 class GrpcTarget(Target):
     """`grpc://host:port` or `host:port`: a pdserve router."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: ChannelSecurity | None = None,
+                 api_key: str = ""):
         self.address = address.removeprefix("grpc://")
         self.name = f"grpc://{self.address}"
-        self._channel = grpc.insecure_channel(self.address)
+        self._metadata = [(AUTH_HEADER, f"Bearer {api_key}")] if api_key else None
+        self._channel = open_channel(self.address, security)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def send(self, record: RequestRecord, prompt_ids: list[int], max_tokens: int,
@@ -72,7 +75,7 @@ class GrpcTarget(Target):
         request = router_pb2.GenerateRequest(token_ids=prompt_ids, max_tokens=max_tokens,
                                              temperature=0.0, ignore_eos=True)
         try:
-            for msg in self._stub.Generate(request, timeout=timeout_s):
+            for msg in self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata):
                 kind = msg.WhichOneof("kind")
                 if kind == "delta":
                     clock.tokens(len(msg.delta.token_ids))
@@ -91,24 +94,29 @@ class GrpcTarget(Target):
 class OpenAITarget(Target):
     """`http://host:port[/v1]`: any server with the OpenAI completions API."""
 
-    def __init__(self, base_url: str, model: str | None = None):
+    def __init__(self, base_url: str, model: str | None = None,
+                 security: ChannelSecurity | None = None, api_key: str = ""):
         url = urllib.parse.urlsplit(base_url.rstrip("/"))
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"target {base_url!r}: expected http://HOST:PORT[/v1]")
         self._https = url.scheme == "https"
         self._host, self._port = url.hostname, url.port or (443 if self._https else 80)
         self._prefix = url.path if url.path.endswith("/v1") else url.path + "/v1"
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._tls = security.ssl_client_context() if security and self._https else None
         self.name = f"{url.scheme}://{url.netloc}{self._prefix}"
         self.model = model or self._first_model()
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        return cls(self._host, self._port, timeout=timeout_s)
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s,
+                                               context=self._tls)
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
 
     def _first_model(self) -> str:
         conn = self._connection(30.0)
         try:
-            conn.request("GET", f"{self._prefix}/models")
+            conn.request("GET", f"{self._prefix}/models", headers=self._headers)
             reply = conn.getresponse()
             body = reply.read()
             if reply.status != 200:
@@ -129,7 +137,7 @@ class OpenAITarget(Target):
         conn = self._connection(timeout_s)
         try:
             conn.request("POST", f"{self._prefix}/completions", body=body,
-                         headers={"Content-Type": "application/json"})
+                         headers={"Content-Type": "application/json", **self._headers})
             reply = conn.getresponse()
             if reply.status != 200:
                 record.error = f"HTTP {reply.status}: {reply.read()[:300].decode(errors='replace')}"
@@ -170,9 +178,10 @@ class OpenAITarget(Target):
             record.output_tokens = int(usage_tokens)
 
 
-def make_target(spec: str, model: str | None = None) -> Target:
+def make_target(spec: str, model: str | None = None, security: ChannelSecurity | None = None,
+                api_key: str = "") -> Target:
     """`grpc://HOST:PORT` (or HOST:PORT) for a pdserve router, `http(s)://HOST:PORT[/v1]` for an
-    OpenAI-compatible server."""
+    OpenAI-compatible server; `security` (TLS) and `api_key` (a bearer token) for both."""
     if spec.startswith(("http://", "https://")):
-        return OpenAITarget(spec, model)
-    return GrpcTarget(spec)
+        return OpenAITarget(spec, model, security, api_key)
+    return GrpcTarget(spec, security, api_key)

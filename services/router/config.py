@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
@@ -31,6 +32,11 @@ class RouterConfig(ServerConfig):
     reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")
     health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
     max_streams: int = option(256, "Generate streams served at once (server threads)")
+    tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
+                                          "without a certificate from that CA")
+    api_key_file: str = option("", "file of accepted API keys, one a line: every call but "
+                                   "health and reflection needs 'authorization: Bearer <key>' "
+                                   "(default: no keys asked)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,6 +46,8 @@ class RouterConfig(ServerConfig):
             for address in addresses:
                 require(_is_address(address), role, address, "host:port")
         require(self.model is None or bool(self.model), "model", self.model, "a directory")
+        require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
+                self.api_key_file, "a readable file of API keys")
         require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s"):

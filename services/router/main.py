@@ -16,6 +16,12 @@ from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
 from pdserve.common.models import ModelRef, resolve_model_name
+from pdserve.common.security import (
+    ApiKeyInterceptor,
+    ApiKeys,
+    ChannelSecurity,
+    server_credentials,
+)
 from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.config import SERVICE, RouterConfig
@@ -63,7 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("pdserve-router")
     log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, directory,
              tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
-    pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s)
+    try:
+        interceptors = [ApiKeyInterceptor(ApiKeys.from_file(cfg.api_key_file))
+                        ] if cfg.api_key_file else []
+    except (OSError, ValueError) as exc:
+        log.error("--api-key-file: %s", exc)
+        return 1
+    pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s,
+                      security=ChannelSecurity.from_options(cfg))
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
                           prefill_timeout_s=cfg.prefill_timeout_s,
                           reserve_timeout_s=cfg.reserve_timeout_s)
@@ -76,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(SERVICE, cfg.port,
                      lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
-                     on_drain=lifecycle.stop_admitting, max_workers=cfg.max_streams + 8)
+                     on_drain=lifecycle.stop_admitting, max_workers=cfg.max_streams + 8,
+                     credentials=server_credentials(cfg), interceptors=interceptors)
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1

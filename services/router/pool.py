@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.placement import DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -53,7 +54,8 @@ class WorkerPool:
     """All workers of both roles, kept checked by a background thread."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
-                 interval_s: float = 1.0, timeout_s: float = 1.0):
+                 interval_s: float = 1.0, timeout_s: float = 1.0,
+                 security: ChannelSecurity | None = None):
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -65,8 +67,8 @@ class WorkerPool:
         for role, addresses, stub_cls in (("prefill", prefill, prefill_pb2_grpc.PrefillStub),
                                           ("decode", decode, decode_pb2_grpc.DecodeStub)):
             for address in addresses:
-                channel = channels.get(address) or grpc.insecure_channel(
-                    address, options=CHANNEL_OPTIONS)
+                channel = channels.get(address) or open_channel(address, security,
+                                                                CHANNEL_OPTIONS)
                 channels[address] = channel
                 self._workers[(role, address)] = Worker(address, role, channel, stub_cls(channel),
                                                         health_pb2_grpc.HealthStub(channel))
@@ -86,7 +88,8 @@ class WorkerPool:
                 all_healthy = all(w.healthy for w in self._workers.values())
             # A worker that is down (or still starting) is looked at again soon, so it rejoins
             # quickly; healthy ones every interval.
-            self._wake.wait(self.interval_s if all_healthy else min(self.interval_s, RECHECK_DOWN_S))
+            self._wake.wait(self.interval_s if all_healthy
+                            else min(self.interval_s, RECHECK_DOWN_S))
             self._wake.clear()
 
     def check_now(self) -> None:

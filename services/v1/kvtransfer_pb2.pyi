@@ -120,3 +120,17 @@ class SendPagesResponse(_message.Message):
     REPORT_FIELD_NUMBER: _ClassVar[int]
     report: _common_pb2.TransferReport
     def __init__(self, report: _Optional[_Union[_common_pb2.TransferReport, _Mapping]] = ...) -> None: ...
+
+class GrantWriteRequest(_message.Message):
+    __slots__ = ("ticket", "reply_to")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    ticket: _common_pb2.Ticket
+    reply_to: bytes
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., reply_to: _Optional[bytes] = ...) -> None: ...
+
+class GrantWriteResponse(_message.Message):
+    __slots__ = ("grant",)
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    grant: bytes
+    def __init__(self, grant: _Optional[bytes] = ...) -> None: ...

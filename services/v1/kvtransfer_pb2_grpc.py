@@ -66,6 +66,11 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.SendPagesRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.SendPagesResponse.FromString,
                 _registered_method=True)
+        self.GrantWrite = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/GrantWrite',
+                request_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.GrantWriteRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.GrantWriteResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -117,6 +122,15 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantWrite(self, request, context):
+        """Peer agent -> agent, mutual TLS only: a grant to write the ticket's pages, bound to the
+        calling agent (its certificate identity and UCX worker address). Writes carry it in their
+        header; an agent with mutual TLS refuses writes without the grant of their ticket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +163,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.SendPages,
                     request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.SendPagesRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.SendPagesResponse.SerializeToString,
+            ),
+            'GrantWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantWrite,
+                    request_deserializer=pdserve_dot_v1_dot_kvtransfer__pb2.GrantWriteRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvtransfer__pb2.GrantWriteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +334,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/SendPages',
             pdserve_dot_v1_dot_kvtransfer__pb2.SendPagesRequest.SerializeToString,
             pdserve_dot_v1_dot_kvtransfer__pb2.SendPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/GrantWrite',
+            pdserve_dot_v1_dot_kvtransfer__pb2.GrantWriteRequest.SerializeToString,
+            pdserve_dot_v1_dot_kvtransfer__pb2.GrantWriteResponse.FromString,
             options,
             channel_credentials,
             insecure,

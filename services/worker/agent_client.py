@@ -9,6 +9,7 @@ from pdserve.common import tracing, wire
 from pdserve.common.errors import Aborted, ServiceError
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.common.tickets import TicketKey
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from pdserve.worker.leases import WindowClosed
@@ -17,10 +18,11 @@ from pdserve.worker.leases import WindowClosed
 class AgentClient:
     """Calls to the local agent."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0):
+    def __init__(self, address: str, timeout_s: float = 10.0,
+                 security: ChannelSecurity | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = open_channel(address, security)
         self.stub = kvtransfer_pb2_grpc.KVTransferStub(self._channel)
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -14,6 +14,7 @@ from pdserve.common.config import parse_config
 from pdserve.common.cpus import cpu_allowance, format_cpu_list
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import WorkerMetrics, serve_metrics
+from pdserve.common.security import ChannelSecurity, server_credentials
 from pdserve.common.server import start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.engine.loop import EngineLoop
@@ -93,7 +94,8 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
         handle = start(role, cfg.port, servicers(worker), host=cfg.host, ready=lambda: ready[0],
-                       grace_s=cfg.grace_s, on_drain=worker_drain(worker))
+                       grace_s=cfg.grace_s, on_drain=worker_drain(worker),
+                       credentials=server_credentials(cfg))
         if cfg.warmup:
             log.info("%s: warmed up in %.0f ms", worker_id, warm_up(loop, role))
         worker.register()
@@ -110,7 +112,7 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
 
 def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
     """The client of this host's kvtransfer agent (`--kv-agent`), once it answers."""
-    agent = AgentClient(cfg.kv_agent)
+    agent = AgentClient(cfg.kv_agent, security=ChannelSecurity.from_options(cfg))
     try:
         agent.wait_ready(timeout_s=wait_s)
     except BaseException:

@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import grpc
+from pdserve.common.security import ChannelSecurity
 from pdserve.up import metrics_offset
 from pdserve.v1 import (
     common_pb2,
@@ -71,7 +72,10 @@ class Stack:
 
 @contextlib.contextmanager
 def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool = False,
-                  env: dict[str, str] | None = None) -> Iterator[Stack]:
+                  env: dict[str, str] | None = None,
+                  security: ChannelSecurity | None = None) -> Iterator[Stack]:
+    """`pdserve up ARGS` on free ports; `security`: how to reach the router's health over TLS
+    (with `--tls`)."""
     base = _port_block(40)
     metrics_base = _port_block(45)
     while abs(metrics_base - base) < 45:  # the two blocks must not overlap
@@ -90,7 +94,7 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
         "kvtransfer-a", "kvtransfer-b"])]
     metrics = {name: f"http://127.0.0.1:{metrics_base + metrics_offset(name)}/metrics"
                for name in names}
-    with running(argv, router, env=env, timeout_s=240) as proc:
+    with running(argv, router, env=env, timeout_s=240, security=security) as proc:
         if colocated:
             workers = [f"127.0.0.1:{ports['colocated_port']}"]
             yield Stack(router, workers, workers, proc, metrics)
