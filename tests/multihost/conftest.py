@@ -25,15 +25,20 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+def cannot_run(why: str) -> None:
+    """Skip with the reason; in CI (CI=true) fail instead, so these tests never silently do
+    not run there."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{why}, and CI must run them")
+    pytest.skip(why)
+
+
 def require_root() -> None:
-    """Skip (with the reason) where namespaces cannot be made; in CI (CI=true) fail instead,
-    so the test can never silently not run there."""
+    """Skip (with the reason) where namespaces cannot be made; in CI fail instead."""
     why = ("multi-host tests need root for `ip netns`" if os.geteuid() != 0 else
            "multi-host tests need iproute2's `ip`" if not shutil.which("ip") else "")
     if why:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{why}, and CI must run them")
-        pytest.skip(why)
+        cannot_run(why)
 
 
 @pytest.fixture
@@ -48,13 +53,20 @@ def hosts():
     created = []
     try:
         for ns in (a, b):
-            ip("netns", "add", ns)
+            made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True,
+                                  timeout=30)
+            if made.returncode != 0:  # root without CAP_SYS_ADMIN, e.g. in a container
+                cannot_run(f"`ip netns add` failed: {made.stderr.strip()}")
             created.append(ns)
             ip("-n", ns, "link", "set", "lo", "up")
         for dev_a, dev_b, subnet in links.values():
             ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b,
                 "netns", b)
             for ns, dev, host in ((a, dev_a, 1), (b, dev_b, 2)):
+                if subnet is DATA_SUBNET:  # no IPv6 neighbour/router chatter on the KV link
+                    subprocess.run(in_ns(ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/"
+                                         f"{dev}/disable_ipv6"),
+                                   capture_output=True, timeout=30)  # absent without IPv6
                 ip("-n", ns, "addr", "add", f"{subnet.format(net, host)}/24", "dev", dev)
                 ip("-n", ns, "link", "set", dev, "up")
             for ns, dev in ((a, dev_a), (b, dev_b)):  # a link comes up asynchronously

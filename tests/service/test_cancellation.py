@@ -10,6 +10,7 @@ import threading
 import grpc
 import pytest
 from pdserve.v1 import router_pb2, router_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service.stack import pdserve_stack
 from tests.support import wait_for
@@ -24,15 +25,25 @@ def stack(tiny_model_dir):
         yield s
 
 
+def _counters(stack) -> tuple[float, float]:
+    """(KV bytes host A's agent has sent, Prefill calls that ended OK), from /metrics."""
+    def total(name: str, metric: str, **labels: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(stack.scrape(name))
+                   for s in f.samples if s.name == metric
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+    return (total("kvtransfer-a", "pdserve_kv_transfer_bytes_total", direction="send"),
+            total("prefill-0", "pdserve_prefill_requests_total", code="OK"))
+
+
 def test_cancel_during_prefill_frees_pages_on_both_sides(stack):
-    prefill0, decode0 = stack.prefill_stats(), stack.decode_stats()
+    prefill0, decode0, counters0 = stack.prefill_stats(), stack.decode_stats(), _counters(stack)
     received: list[str] = []
+    codes: list[grpc.StatusCode] = []
     with grpc.insecure_channel(stack.router) as ch:
         call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
             token_ids=[5 + i % 900 for i in range(3000)], max_tokens=4, temperature=0.0),
             timeout=120)
-        reader = threading.Thread(target=lambda: received.extend(
-            m.WhichOneof("kind") for m in _until_cancelled(call)))
+        reader = threading.Thread(target=_read, args=(call, received, codes))
         reader.start()
 
         def prefilling() -> bool:
@@ -41,17 +52,26 @@ def test_cancel_during_prefill_frees_pages_on_both_sides(stack):
 
         assert wait_for(prefilling, timeout_s=60, interval_s=0.01), "prefill never started"
         assert stack.decode_stats().free_pages < decode0.free_pages  # its reservation
+        during = stack.prefill_stats()
         call.cancel()
         reader.join(30)
-    assert received == []  # nothing was streamed
+    assert not reader.is_alive()
+    assert during.waiting_sequences == 1 and during.queued_prompt_tokens > 0, \
+        "prefill had finished before the cancel: this run did not test cancelling during it"
+    assert received == [] and codes == [grpc.StatusCode.CANCELLED]  # nothing was streamed
     assert wait_for(lambda: stack.prefill_stats().free_pages == prefill0.free_pages)
     assert wait_for(lambda: stack.decode_stats().free_pages == decode0.free_pages)
     after = stack.prefill_stats()
     assert (after.waiting_sequences, after.running_sequences) == (0, 0)
+    assert stack.decode_stats().reserved_tickets == 0
+    # The cancel landed in prefill: no Prefill call ended OK and not one KV byte left host A.
+    assert _counters(stack) == counters0
 
 
-def _until_cancelled(call):
+def _read(call, received: list[str], codes: list[grpc.StatusCode]) -> None:
+    """Collect the stream's message kinds and how it ended (asserted by the test's thread)."""
     try:
-        yield from call
+        received.extend(m.WhichOneof("kind") for m in call)
+        codes.append(grpc.StatusCode.OK)
     except grpc.RpcError as exc:
-        assert exc.code() == grpc.StatusCode.CANCELLED
+        codes.append(exc.code())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import Batch, UnsupportedModel, load_model
+from pdserve.engine.model import UnsupportedModel, load_model
 from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -131,7 +131,7 @@ def test_preemption_recomputes_and_keeps_greedy_output(models, prompts, referenc
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, GREEDY)
         _drain(engine, outputs)
-        assert engine.num_preemptions > 0  # the pool really was too small for all of them
+        assert engine.num_preemptions > 0, "the pool was large enough: nothing was preempted"
         assert [outputs[f"r{i}"] for i in range(len(prompts))] == references
         assert engine.allocator.num_free == engine.config.num_pages
     finally:
@@ -202,30 +202,47 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_matches_transformers_in_the_same_dtype(tiny_model_dir, dtype):
-    """A bf16/fp16 pool: the first token's logits equal transformers' in that dtype (within
-    1e-2; they come out identical here, the same kernels in the same order), and greedy output
-    equals `generate` in that dtype token for token."""
+    """Logits of every forward (a prompt chunk, the prompt's end, each decode step) against
+    transformers' own forward in the same dtype over the same tokens, and the greedy tokens
+    wherever transformers' choice is clear of that tolerance.
+
+    Tolerance: 3 machine epsilons of the dtype times the largest logit, a few roundings of
+    the output (here bf16 0.083, fp16 0.010; measured 0.016 and 0.003, and at most 1.5
+    epsilons over ten prompts): the two forwards order their sums differently, so bits need
+    not match, while a wrong position, mask, rope or page read moves logits by whole units.
+    """
     from transformers import AutoModelForCausalLM
 
+    torch_dtype = getattr(torch, dtype)
     model = load_model(tiny_model_dir, dtype=dtype)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=getattr(torch, dtype)).eval()
-    engine = _engine(model, num_pages=64)
-    prompt = list(range(5, 45))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch_dtype).eval()
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, model.vocab_size, (40,), generator=gen).tolist()
+    engine = _engine(model, num_pages=64)  # chunk_size 32: the prompt takes two prefill steps
+    logits: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda _m, _args, out: logits.append(out[0].clone()))
     try:
         assert engine.pool.fingerprint.dtype == dtype
-        assert engine.pool.tensor.dtype == getattr(torch, dtype)
-        pages = engine.allocator.allocate("logits", pages_for_tokens(len(prompt), 16))
-        ours = model(Batch.build([prompt], [0], [pages], engine.device), engine.pool.tensor)[0]
-        engine.allocator.free("logits")
-        with torch.inference_mode():
-            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
-            expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
-                                   min_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
-        assert (ours - ref).abs().max().item() <= 1e-2
+        assert engine.pool.tensor.dtype == torch_dtype
         outputs: dict[str, list[int]] = {}
-        engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0,
+        engine.add_request("r", prompt, SamplingParams(max_tokens=16, temperature=0.0,
                                                        ignore_eos=True))
         _drain(engine, outputs)
-        assert outputs["r"] == expected
+        assert engine.allocator.num_free == engine.config.num_pages
     finally:
+        hook.remove()
         engine.close()
+    tokens = outputs["r"]
+    assert len(tokens) == 16 and len(logits) == 1 + len(tokens)  # chunk 1, chunk 2, 15 decode steps
+    with torch.no_grad():
+        ref_all = hf(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+    ref = ref_all[[31, *range(len(prompt) - 1, len(prompt) + len(tokens) - 1)]]
+    ours = torch.stack(logits)
+    tol = 3 * torch.finfo(torch_dtype).eps * ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= tol, f"{dtype} logits are {err:.4f} from transformers' (tolerance {tol:.4f})"
+    top2 = ref[1:].topk(2).values
+    clear = ((top2[:, 0] - top2[:, 1]) > 2 * tol).tolist()  # neither side can flip the argmax
+    assert sum(clear) >= len(tokens) // 2, "too few clear-cut steps to compare tokens"
+    expected = ref[1:].argmax(-1).tolist()
+    assert [t for t, c in zip(tokens, clear) if c] == [t for t, c in zip(expected, clear) if c]

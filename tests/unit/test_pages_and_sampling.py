@@ -32,16 +32,20 @@ def _run(engine: Engine, limit: int = 5000, out: dict[str, list[int]] | None = N
 
 def test_allocator_frees_each_page_exactly_once():
     alloc = PageAllocator(10)
-    assert alloc.allocate("a", 3) == [0, 1, 2]
-    alloc.allocate("b", 4)
+    a = alloc.allocate("a", 3)
+    b = alloc.allocate("b", 4)
+    assert len(set(a) | set(b)) == 7, "a page was handed to two owners"
+    assert alloc.pages_of("a") == a and alloc.pages_of("b") == b
     assert alloc.num_free == 3 and not alloc.can_allocate(4)
     with pytest.raises(OutOfPages, match="need 4 pages, 3 of 10 free"):
         alloc.allocate("c", 4)
     assert alloc.free("a") == 3 and alloc.free("a") == 0
+    assert alloc.num_free == 6 and not alloc.owns("a")
     alloc.transfer("b", "b2")
+    assert alloc.pages_of("b2") == b and not alloc.owns("b")
     assert alloc.free("b") == 0 and alloc.free("b2") == 4
     assert alloc.num_free == 10
-    assert sorted(alloc.allocate("d", 10)) == list(range(10))  # every id came back, once
+    assert sorted(alloc.allocate("d", 10)) == list(range(10))  # every id back, each once
     assert alloc.num_free == 0
 
 
