@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from google.protobuf import json_format
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.common import localsock
 from pdserve.common.shm import SharedSegment, leftover_segments
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
