@@ -196,7 +196,7 @@ class ShmReceiver:
 
     def __init__(self, sink: Callable[[], WriteSink]):
         self._sink = sink
-        self._maps: dict[str, tuple[SharedSegment, np.ndarray]] = {}
+        self._maps: dict[str, SharedSegment] = {}
 
     def write(self, message: dict[str, Any], payload: bytes, fds: list[int]) -> dict[str, Any]:
         """Serve one shm_write; returns the reply (an error reply names the refusal)."""
@@ -221,7 +221,7 @@ class ShmReceiver:
                 os.close(fd)
             old = self._maps.pop(key, None)
             if old is not None:
-                old[0].close()
+                old.close()
             try:
                 num_pages = int(message["src_num_pages"])
             except (KeyError, ValueError, TypeError):
@@ -232,10 +232,10 @@ class ShmReceiver:
             except KvTransferError as exc:
                 raise SegmentUnavailable(f"the sender's pool cannot be mapped here: "
                                          f"{exc.message}") from None
-            self._maps[key] = (segment, np.frombuffer(segment.buffer, dtype=np.uint8))
+            self._maps[key] = segment
         if key not in self._maps:
             raise SegmentUnavailable(f"pool {key!r} was never mapped on this connection")
-        return self._maps[key][1]
+        return np.frombuffer(self._maps[key].buffer, dtype=np.uint8)
 
     def _copy(self, header: WriteHeader, src: np.ndarray, runs: list[tuple[int, int]]) -> None:
         sink = self._sink()
@@ -260,7 +260,9 @@ class ShmReceiver:
             raise TransferTimeout("the handoff stopped before all its bytes arrived")
 
     def close(self) -> None:
-        for segment, _ in self._maps.values():
+        """Unmap every sender pool mapped on this connection (no copy is running: the
+        connection's one thread calls this)."""
+        for segment in self._maps.values():
             segment.close()
         self._maps.clear()
 

@@ -78,10 +78,11 @@ class Pool:
         return self.data.copy()
 
     def close(self) -> None:
-        """The worker goes away: the agent drops the pool."""
+        """The worker goes away: the agent drops the pool. Safe to call twice."""
         if self.conn is not None:
             self.conn.close()
-        del self.data
+            self.conn = None
+        self.data = np.empty(0, dtype=np.uint8)
         self.segment.close()
 
 
