@@ -22,7 +22,8 @@ from collections.abc import Hashable, Iterable
 
 import torch
 from pdserve.common.layout import pages_for_tokens
-from pdserve.engine.model import Batch, PagedCausalLM
+from pdserve.engine.batch import Batch
+from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
@@ -220,7 +221,8 @@ class Engine:
         batch = Batch.build(
             [s.token_ids[s.num_cached: s.num_cached + n] for s, n in plan],
             [s.num_cached for s, _ in plan],
-            [self.allocator.pages_of(s.seq_id) for s, _ in plan], self.device)
+            [self.allocator.pages_of(s.seq_id) for s, _ in plan], self.config.block_size,
+            self.device)
         logits = self.model(batch, self.pool.tensor)
         done = []
         for i, (seq, n) in enumerate(plan):
@@ -247,7 +249,8 @@ class Engine:
         start = time.perf_counter()
         seqs = list(self.running)
         batch = Batch.build([[s.token_ids[-1]] for s in seqs], [s.num_tokens - 1 for s in seqs],
-                            [self.allocator.pages_of(s.seq_id) for s in seqs], self.device)
+                            [self.allocator.pages_of(s.seq_id) for s in seqs],
+                            self.config.block_size, self.device)
         logits = self.model(batch, self.pool.tensor)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         ms = (time.perf_counter() - start) * 1e3
