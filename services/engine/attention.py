@@ -4,8 +4,10 @@
 q [N, H, D], whose K/V (new ones included) are already in the pages of `layer_kv`
 (`pool[:, layer]`, [P, 2, block, kvh, D]). Two ways, same results up to float rounding:
 
-- native (float32 on CPU, when the C kernel builds): `kernels.paged_attention` walks each
-  sequence's block table and reads K/V where they lie, query heads of one KV head together;
+- native (float32 on CPU, when the C kernel builds): for sequences with a few new tokens
+  (decode), `kernels.paged_attention` walks each block table and reads K/V where they lie,
+  the query heads of one KV head together; a longer prompt chunk gathers its own pages once
+  and runs torch's SDPA (the gather is small next to the chunk's attention);
 - gather (any dtype, any device): every page of the batch copied into a workspace per layer
   (`index_select`), queries padded to [S, T], torch's SDPA with a [S, 1, T, K] mask.
 """
@@ -13,12 +15,23 @@ q [N, H, D], whose K/V (new ones included) are already in the pages of `layer_kv
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from pdserve.engine import kernels
 from pdserve.engine.batch import Batch
+
+KERNEL_MAX_QUERY = 8  # sequences with more new tokens than this run through SDPA
+
+
+@dataclasses.dataclass
+class _Plan:
+    # (q_starts, q_ends, context_lens, block_tables, max_context) of the kernel's sequences
+    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None
+    # (first row, end row, page ids, mask or None for plain causal) of each long chunk
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
 class PagedAttention:
@@ -33,6 +46,8 @@ class PagedAttention:
         self._mask_for: Any = None  # (batch, mask): the mask is built once per forward
         self._mask: torch.Tensor | None = None
         self._rows = torch.empty(0, dtype=torch.int64)
+        self._plan_for: Any = None
+        self._last_plan: _Plan | None = None
 
     def native(self, kv: torch.Tensor) -> ctypes.CDLL | None:
         if kv.device.type != "cpu" or kv.dtype != torch.float32:
@@ -43,14 +58,65 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, batch: Batch,
                  lib: ctypes.CDLL | None) -> torch.Tensor:
-        if lib is not None:
-            out = torch.empty_like(q)
-            kernels.paged_attention(lib, q, out, layer_kv, batch.query_starts,
-                                    batch.context_lens, batch.block_tables,
+        if lib is None:
+            return self._gathered(q, layer_kv, batch)
+        plan = self._plan(batch)
+        out = torch.empty_like(q)
+        if plan.kernel is not None:
+            starts, ends, context, tables, max_context = plan.kernel
+            kernels.paged_attention(lib, q, out, layer_kv, starts, ends, context, tables,
                                     num_kv_heads=self.num_kv_heads, window=self.window or 0,
-                                    scale=self.scale, max_context=batch.max_context)
-            return out
-        return self._gathered(q, layer_kv, batch)
+                                    scale=self.scale, max_context=max_context)
+        for first, last, pages, mask in plan.chunks:
+            out[first:last] = self._chunk(q[first:last], layer_kv, pages, mask)
+        return out
+
+    def _plan(self, batch: Batch) -> _Plan:
+        """Which sequences the kernel takes (few new tokens: decode), which run as chunks
+        through SDPA; built once per forward and reused by every layer."""
+        if self._plan_for is batch and self._last_plan is not None:
+            return self._last_plan
+        qs, context = batch.query_starts, batch.context_lens
+        qlens = (qs[1:] - qs[:-1]).tolist()
+        short = [i for i, n in enumerate(qlens) if n <= KERNEL_MAX_QUERY]
+        kernel = None
+        if short:
+            idx = torch.tensor(short, device=qs.device)
+            kernel = (qs[:-1][idx].contiguous(), qs[1:][idx].contiguous(),
+                      context[idx].contiguous(), batch.block_tables[idx].contiguous(),
+                      int(context[idx].max()))
+        chunks = []
+        block = batch.block_size
+        for i, n in enumerate(qlens):
+            if n <= KERNEL_MAX_QUERY:
+                continue
+            ctx = int(context[i])
+            pages = batch.block_tables[i, :-(-ctx // block)]
+            mask = None  # a whole prompt in one chunk: plain causal
+            if ctx != n or self.window is not None:
+                key_pos = torch.arange(ctx, device=qs.device)
+                q_pos = torch.arange(ctx - n, ctx, device=qs.device)[:, None]
+                mask = key_pos <= q_pos
+                if self.window is not None:
+                    mask &= key_pos > q_pos - self.window
+            first = int(qs[i])
+            chunks.append((first, first + n, pages, mask))
+        self._plan_for, self._last_plan = batch, _Plan(kernel, chunks)
+        return self._last_plan
+
+    def _chunk(self, q: torch.Tensor, layer_kv: torch.Tensor, pages: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """A prompt chunk [n, H, D] against its sequence's keys: gathered once for n rows,
+        then torch's SDPA (GEMM-based, far faster than row-by-row for long chunks)."""
+        ctx = mask.shape[1] if mask is not None else q.shape[0]
+        kv = layer_kv.index_select(0, pages)  # [pages, 2, block, kvh, D]
+        keys = kv[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        values = kv[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return out[0].transpose(0, 1)
 
     def _gathered(self, q: torch.Tensor, layer_kv: torch.Tensor, batch: Batch) -> torch.Tensor:
         S, T = batch.num_seqs, batch.max_query_len

@@ -34,6 +34,7 @@ class Batch:
     last_index: torch.Tensor
     max_query_len: int
     max_context: int
+    block_size: int
 
     @property
     def num_seqs(self) -> int:
@@ -69,7 +70,7 @@ class Batch:
 
         return cls(put(ids), put(positions), put(query_starts), put(context), put(tables),
                    put(slot_pages), put(positions % block_size), put(query_starts[1:] - 1),
-                   int(qlens.max()), int(context.max()))
+                   int(qlens.max()), int(context.max()), block_size)
 
     def padded_rows(self) -> torch.Tensor:
         """[N] the row of each token in a [S * max_query_len] padded layout (for SDPA)."""

@@ -24,11 +24,11 @@ import torch
 from pdserve.common.models import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 log = logging.getLogger("pdserve.engine.kernels")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES: list[Any] = [_PTR] * 7 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
+_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -48,7 +48,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lmvec", "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent build by another process is harmless
     finally:
@@ -87,10 +87,11 @@ def library() -> ctypes.CDLL | None:
 
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_kv: torch.Tensor,
-                    q_starts: torch.Tensor, context_lens: torch.Tensor,
+                    q_starts: torch.Tensor, q_ends: torch.Tensor, context_lens: torch.Tensor,
                     block_tables: torch.Tensor, *, num_kv_heads: int, window: int, scale: float,
                     max_context: int) -> None:
-    """out[N, H, D] = attention of q[N, H, D] over the pages of `layer_kv`.
+    """out[rows] = attention of q[rows] over the pages of `layer_kv`, for the sequences given:
+    sequence s owns rows q_starts[s] .. q_ends[s]-1 of q [N, H, D] (and of out).
 
     `layer_kv` is one layer's view of the pool, `pool[:, layer]`: [P, 2, block, kvh, D], whose
     pages stand `stride(0)` elements apart. Index tensors are int64 and contiguous.
@@ -101,8 +102,8 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
     with torch.profiler.record_function("paged_attention"):
         rc = lib.paged_attention_f32(
             q.data_ptr(), out.data_ptr(), k_base, v_base, q_starts.data_ptr(),
-            context_lens.data_ptr(), block_tables.data_ptr(), num_seqs, max_pages,
-            layer_kv.stride(0), layer_kv.shape[2], q.shape[1], num_kv_heads, q.shape[2],
-            window, scale, max_context, torch.get_num_threads())
+            q_ends.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), num_seqs,
+            max_pages, layer_kv.stride(0), layer_kv.shape[2], q.shape[1], num_kv_heads,
+            q.shape[2], window, scale, max_context, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc})")
