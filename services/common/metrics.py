@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("pdserve.metrics")
@@ -118,9 +118,10 @@ class RouterMetrics:
             self.tpot.observe(tpot_ms / 1e3)
         self.in_flight.dec()
 
-    def watch_pool(self, loads: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
-        """Export `loads()` = {role: (healthy workers, workers)} at scrape time."""
-        self.registry.register(_WorkersCollector(loads))
+    def watch_pool(self, counts: Callable[[], Mapping[str, WorkerCounts]],
+                   discovery_failures: Callable[[], int] = lambda: 0) -> None:
+        """Export the pool's `counts()` per role, and failed DNS lookups, at scrape time."""
+        self.registry.register(_WorkersCollector(counts, discovery_failures))
 
 
 class WorkerMetrics:
@@ -201,19 +202,45 @@ class _StatsCollector(Collector):
                      {"role": self._role}, stats.num_pages - stats.free_pages)
 
 
+@dataclass(frozen=True)
+class WorkerCounts:
+    """One role's workers as the router's pool knows them."""
+
+    healthy: int  # members passing health checks (they get requests)
+    members: int  # configured or discovered now
+    leaving: int = 0  # gone from discovery, their in-flight calls not yet ended
+    joins: int = 0  # since start (the first members included)
+    leaves: int = 0
+
+
 class _WorkersCollector(Collector):
-    def __init__(self, loads: Callable[[], Mapping[str, tuple[int, int]]]):
-        self._loads = loads
+    def __init__(self, counts: Callable[[], Mapping[str, WorkerCounts]],
+                 discovery_failures: Callable[[], int]):
+        self._counts = counts
+        self._discovery_failures = discovery_failures
 
     def collect(self) -> Iterator[Metric]:
-        healthy = GaugeMetricFamily("pdserve_workers_healthy", "workers passing health checks",
-                                    labels=("role",))
-        known = GaugeMetricFamily("pdserve_workers", "workers configured", labels=("role",))
-        for role, (num_healthy, num_known) in self._loads().items():
-            healthy.add_metric((role,), num_healthy)
-            known.add_metric((role,), num_known)
-        yield healthy
-        yield known
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "healthy": GaugeMetricFamily("pdserve_workers_healthy", "workers passing health "
+                                         "checks", labels=("role",)),
+            "members": GaugeMetricFamily("pdserve_workers", "workers configured or discovered",
+                                         labels=("role",)),
+            "leaving": GaugeMetricFamily("pdserve_workers_leaving", "workers gone from "
+                                         "discovery whose in-flight calls have not ended",
+                                         labels=("role",)),
+            "joins": CounterMetricFamily("pdserve_worker_joins", "workers that joined the "
+                                         "pool (the first ones included)", labels=("role",)),
+            "leaves": CounterMetricFamily("pdserve_worker_leaves", "workers that left the "
+                                          "pool (their address record disappeared)",
+                                          labels=("role",)),
+        }
+        for role, counts in self._counts().items():
+            for key, family in families.items():
+                family.add_metric((role,), getattr(counts, key))
+        yield from families.values()
+        yield CounterMetricFamily("pdserve_discovery_failures", "dns:/// lookups that failed "
+                                  "(the last known workers were kept)",
+                                  value=self._discovery_failures())
 
 
 def _gauge(name: str, help_text: str, labels: Mapping[str, str], value: float) -> Metric:

@@ -26,6 +26,7 @@ from pdserve.common.security import (
 from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.config import SERVICE, RouterConfig
+from pdserve.router.discovery import Discovery
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
@@ -77,15 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         log.error("--api-key-file: %s", exc)
         return 1
-    pool = WorkerPool(cfg.prefill, cfg.decode, interval_s=cfg.health_interval_s,
+    pool = WorkerPool(interval_s=cfg.health_interval_s,
                       security=ChannelSecurity.from_options(cfg))
+    discovery = Discovery(pool, cfg.targets("prefill"), cfg.targets("decode"),
+                          interval_s=cfg.discovery_interval_s)
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
                           prefill_timeout_s=cfg.prefill_timeout_s,
                           reserve_timeout_s=cfg.reserve_timeout_s)
     servicer = RouterServicer(lifecycle)
-    lifecycle.metrics.watch_pool(lambda: worker_counts(pool))
+    lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
     metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
                             service=SERVICE)
+    discovery.start()
     pool.start()
     try:
         return serve(SERVICE, cfg.port,
@@ -97,16 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        discovery.close()
         pool.close()
         shutdown_tracing()
         if metrics is not None:
             metrics.close()
-
-
-def worker_counts(pool: WorkerPool) -> dict[str, tuple[int, int]]:
-    """{role: (healthy workers, workers)} for the metrics endpoint."""
-    return {role: (sum(w.healthy for w in loads), len(loads))
-            for role, loads in (("prefill", pool.prefill_loads()), ("decode", pool.decode_loads()))}
 
 
 if __name__ == "__main__":
