@@ -14,6 +14,10 @@ import torch
 # real-model test, which asks for it.
 for _service in ("UP", "ROUTER", "PREFILL", "DECODE", "COLOCATED"):
     os.environ.setdefault(f"PDSERVE_{_service}_MODEL", "tiny")
+# Every router a test starts serves its HTTP API on a free port unless the test names one
+# (the default, 8000, would collide between tests and stacks running at once).
+for _var in ("PDSERVE_ROUTER_HTTP_PORT", "PDSERVE_UP_HTTP_PORT"):
+    os.environ.setdefault(_var, "0")
 
 
 @pytest.fixture(scope="session")

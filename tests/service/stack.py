@@ -67,6 +67,7 @@ class Stack:
     decode: list[str]
     proc: object
     metrics: dict[str, str] = dataclasses.field(default_factory=dict)  # process name -> URL
+    http: str = ""  # the router's OpenAI-compatible API, http://127.0.0.1:PORT/v1
 
     def scrape(self, name: str) -> str:
         """The Prometheus text of one process (`router`, `prefill-0`, `decode-0`,
@@ -97,7 +98,7 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
     base = _port_block(40)
     metrics_base = _port_block(45)  # never overlaps `base`: that block is handed out
     ports = dict(port=base, prefill_port=base + 10, decode_port=base + 20, agent_port=base + 30,
-                 colocated_port=base + 35, metrics_port=metrics_base)
+                 colocated_port=base + 35, http_port=base + 38, metrics_port=metrics_base)
     argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
                         "--kv-cache-mb", "32", *args,
                         *(x for k, v in ports.items()
@@ -110,14 +111,16 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
         "kvtransfer-a", "kvtransfer-b"])]
     metrics = {name: f"http://127.0.0.1:{metrics_base + metrics_offset(name)}/metrics"
                for name in names}
+    http = f"http{'s' if '--tls' in args else ''}://127.0.0.1:{base + 38}/v1"
     try:
         with running(argv, router, env=env, timeout_s=240, security=security) as proc:
             if colocated:
                 workers = [f"127.0.0.1:{ports['colocated_port']}"]
-                yield Stack(router, workers, workers, proc, metrics)
+                yield Stack(router, workers, workers, proc, metrics, http)
             else:
                 yield Stack(router, [f"127.0.0.1:{base + 10 + i}" for i in range(prefill)],
-                            [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics)
+                            [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics,
+                            http)
     finally:
         _give_back(base, 40)
         _give_back(metrics_base, 45)
