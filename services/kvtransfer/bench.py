@@ -14,22 +14,17 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.common.layout import DTYPE_BYTES, pages_for_tokens
+from pdserve.common.layout import DTYPE_BYTES, LayoutFingerprint, pages_for_tokens
 from pdserve.common.shm import SharedSegment
 from pdserve.kvtransfer.baselines import BoundSamples, RawTcp, gb_s
-from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
+from pdserve.kvtransfer.benchrig import Worker, agent
 
 MIB = 1 << 20
 NOISE = 1.05  # a transport more than 5% above a bound is reported as beating it
@@ -63,70 +58,28 @@ class Row:
 @dataclass
 class AgentPair:
     transport: str
-    sender: kvtransfer_pb2_grpc.KVTransferStub
-    receiver: kvtransfer_pb2_grpc.KVTransferStub
-    receiver_address: str
-    src_pool: str = ""
-    dst_pool: str = ""
-    dst_epoch: int = 0
+    sender: Worker
+    receiver: Worker
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _agent(transport: str) -> Iterator[tuple[str, kvtransfer_pb2_grpc.KVTransferStub]]:
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.kvtransfer.main", "--port", str(port),
-                             "--transport", transport, "--log-level", "WARNING"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        with grpc.insecure_channel(address) as channel:
-            _wait_serving(channel, proc, transport, address)
-            yield address, kvtransfer_pb2_grpc.KVTransferStub(channel)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_serving(channel: grpc.Channel, proc: subprocess.Popen[bytes], what: str,
-                  address: str) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} agent exited with {proc.returncode}")
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                    health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} agent at {address} not SERVING after 60s")
-        time.sleep(0.1)  # bounded poll of a starting process
+AGENT_FLAGS = {  # transport -> the agents' flags
+    "shm": ("--transport", "tcp"),  # the same-host copy: the network transport is not used
+    "ucx": ("--transport", "ucx", "--no-same-host-copy"),
+    "tcp": ("--transport", "tcp", "--no-same-host-copy"),
+    "local": ("--transport", "ucx"),  # both pools on one agent
+}
 
 
 def _handoff(pair: AgentPair, ticket_no: int, pages: list[int], dst_pages: list[int],
-             fp: common_pb2.LayoutFingerprint) -> tuple[float, float, int]:
-    """One handoff; returns (agent handoff_ms, client round-trip ms, runs)."""
-    ticket = common_pb2.Ticket(request_id=f"bench-{ticket_no}", epoch=1)
-    pair.receiver.ExpectTransfer(kvtransfer_pb2.ExpectTransferRequest(
-        ticket=ticket, pool_id=pair.dst_pool, page_ids=dst_pages, lease_ms=60_000), timeout=30)
+             fp: LayoutFingerprint) -> tuple[float, float, int]:
+    """One handoff as a worker makes it; returns (agent handoff_ms, the worker's round trip
+    of its send call in ms, runs)."""
+    request_id = f"bench-{ticket_no}"
+    pair.receiver.expect(request_id, dst_pages)
     started = time.perf_counter()
-    report = pair.sender.SendPages(kvtransfer_pb2.SendPagesRequest(
-        ticket=ticket, src_pool_id=pair.src_pool, src_page_ids=pages,
-        destination=common_pb2.KVDestination(
-            agent_address=pair.receiver_address, agent_epoch=pair.dst_epoch,
-            pool_id=pair.dst_pool, page_ids=dst_pages, fingerprint=fp),
-        timeout_ms=60_000), timeout=90).report
+    report = pair.sender.send(request_id, pages, pair.receiver.destination(dst_pages, fp))
+    if report.transport != pair.transport:
+        raise RuntimeError(f"the {pair.transport} pair moved pages over {report.transport}")
     return report.handoff_ms, (time.perf_counter() - started) * 1e3, report.num_runs
 
 
@@ -139,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     p.add_argument("--prompts", default="16,64,256,1024,4096,8192",
                    help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--transports", default="ucx,tcp", help="ucx, tcp, local; comma-separated")
+    p.add_argument("--transports", default="shm,ucx,tcp",
+                   help="shm, ucx, tcp, local; comma-separated")
     p.add_argument("--reps", type=int, default=9, help="measured repetitions (median reported)")
     p.add_argument("--fragmented", action="store_true",
                    help="scatter destination pages (many runs) instead of one contiguous run")
@@ -147,18 +101,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",") if x]
     args.transports = [x for x in args.transports.split(",") if x]
-    bad = [t for t in args.transports if t not in ("ucx", "tcp", "local")]
+    bad = [t for t in args.transports if t not in AGENT_FLAGS]
     if bad or not args.prompts or min(args.prompts) <= 0 or args.reps <= 0:
         p.error(f"bad --transports {bad} / --prompts / --reps")
     return args
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    fp = common_pb2.LayoutFingerprint(
-        model_id="bench", model_revision="0", dtype=args.dtype, num_layers=args.layers,
-        num_kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, tp_size=1)
-    page_bytes = (args.layers * 2 * args.block_size * args.kv_heads * args.head_dim
-                  * DTYPE_BYTES[args.dtype])
+    fp = LayoutFingerprint("bench", "0", args.dtype, args.layers, args.kv_heads, args.head_dim,
+                           args.block_size)
+    page_bytes = fp.page_bytes
     max_pages = max(pages_for_tokens(n, args.block_size) for n in args.prompts)
     rng = np.random.default_rng(0)
     results: list[Row] = []
@@ -171,19 +123,14 @@ def run(args: argparse.Namespace) -> list[Row]:
         dst[:] = 0
         pairs = []
         for transport in args.transports:
-            wire = "ucx" if transport == "local" else transport
-            s_addr, sender = stack.enter_context(_agent(wire))
-            r_addr, receiver = (s_addr, sender) if transport == "local" else \
-                stack.enter_context(_agent(wire))
-            pair = AgentPair(transport, sender, receiver, r_addr)
-            pair.src_pool = sender.RegisterPool(kvtransfer_pb2.RegisterPoolRequest(
-                worker_id="bench-prefill", shm_name=src_seg.name, num_pages=max_pages,
-                page_bytes=page_bytes, fingerprint=fp), timeout=30).pool_id
-            reply = receiver.RegisterPool(kvtransfer_pb2.RegisterPoolRequest(
-                worker_id="bench-decode", shm_name=dst_seg.name, num_pages=max_pages,
-                page_bytes=page_bytes, fingerprint=fp), timeout=30)
-            pair.dst_pool, pair.dst_epoch = reply.pool_id, reply.agent_epoch
-            pairs.append(pair)
+            sender_agent = stack.enter_context(agent(AGENT_FLAGS[transport]))
+            receiver_agent = sender_agent if transport == "local" else \
+                stack.enter_context(agent(AGENT_FLAGS[transport]))
+            sender = Worker(sender_agent, "bench-prefill", src_seg, max_pages, fp)
+            stack.callback(sender.close)
+            receiver = Worker(receiver_agent, "bench-decode", dst_seg, max_pages, fp)
+            stack.callback(receiver.close)
+            pairs.append(AgentPair(transport, sender, receiver))
         raw = RawTcp(max_pages * page_bytes)
         stack.callback(raw.close)
         ticket_no = 0
