@@ -28,9 +28,10 @@ class RouterConfig(ServerConfig):
                                          "worker)")
     discovery_interval_s: float = option(5.0, "how often dns:/// targets are resolved again (s)")
     model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
-                                     "are read), or a built-in size (tiny, small); default: tiny")
+                                     "are read), or a built-in model (smollm2, tiny, small); "
+                                     "default: smollm2")
     model_name: str | None = option(None, "the served model's name (default: the directory "
-                                          "name, or builtin-<size>)")
+                                          "name, SmolLM2-135M-Instruct, or builtin-<size>)")
     max_retries: int = option(1, "retries on other workers before the first token")
     prefill_timeout_s: float = option(120.0, "deadline of one Prefill call (s)")
     reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")
