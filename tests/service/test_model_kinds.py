@@ -76,6 +76,35 @@ def test_chats_token_exact(served):
                                             temperature=0.0))
 
 
+def test_chats_over_http_with_the_openai_client(served):
+    """/v1/chat/completions, streamed and not: the chat template's ids, transformers' tokens,
+    decode's text, usage and the TTFT breakdown."""
+    import openai
+
+    tok, hf, stack = served
+    with openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        for chat in CHATS:
+            ids = list(tok.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
+            expected = _reference(hf, ids)
+            reply = client.chat.completions.create(
+                model=model, messages=chat, max_completion_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"return_token_ids": True})
+            choice = reply.choices[0]
+            assert choice.model_extra["token_ids"] == expected
+            assert choice.message.role == "assistant"
+            assert choice.message.content == tok.decode(expected, skip_special_tokens=True)
+            assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+                len(ids), len(expected))
+            assert reply.model_extra["pdserve"]["timing"]["ttft_ms"] > 0
+            chunks = list(client.chat.completions.create(
+                model=model, messages=chat, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+                choice.message.content
+            assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
 def test_pdserve_generate_sends_a_chat(model_kinds, stacks):
     """`pdserve generate --system ... --chat PROMPT` streams what the chat template gives."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
