@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from pdserve.common import failpoints
 from pdserve.common.errors import InvalidArgument, Unavailable
 from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.agent_client import AgentClient, AgentWindow, EpochWatch
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import token_events
@@ -43,34 +44,50 @@ class DecodeWorker:
         self.admitting = True
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.leases: LeaseBook | None = None
+        self._window: AgentWindow | None = None
+        self._watch: EpochWatch | None = None
 
     def register(self) -> None:
-        """Register the pool with the agent, then accept reservations."""
+        """Register the pool with the agent, then accept reservations. Runs again when the
+        agent restarted (its epoch watch): reservations made before that are gone with the
+        old agent (their handoffs fail as a stale epoch), new ones use the new registration."""
         pool = self.engine.pool
         self.pool_id, self.agent_epoch = self.agent.register_pool(
             self.worker_id, pool.shm_name, pool.num_pages, pool.page_bytes, pool.fingerprint)
-        self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop),
-                                self.agent.window(self.pool_id),
+        if self._window is not None:
+            self._window.pool_id = self.pool_id
+            return
+        self._window = self.agent.window(self.pool_id)
+        self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop), self._window,
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
         self.leases.start_reaper()
+        self._watch = self.agent.watch(self.agent_epoch, self.register)
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation:
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
+                renew_s: float = 0.0) -> Reservation:
         if not self.admitting or self.leases is None:
             raise Unavailable(f"decode worker {self.worker_id} is "
                               f"{'draining' if self.leases else 'starting'}")
         if request_id in self.engine.seqs:
             raise InvalidArgument(f"request {request_id} is already decoding on {self.worker_id}")
-        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s)
+        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s)
         return Reservation(lease.key, Destination(self.agent_address, self.agent_epoch,
                                                   self.pool_id, tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint))
+                                                  self.engine.pool.fingerprint), lease.renew_s)
+
+    def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
+        """The router's heartbeat for the reservations it holds; returns those not held."""
+        if self.leases is None:
+            return [key.request_id for key in keys]
+        return self.leases.renew(keys, renew_s)
 
     def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]:
         received = time.perf_counter()
         if self.leases is None:
             raise Unavailable(f"decode worker {self.worker_id} is starting")
         rid = request.ticket.request_id
+        failpoints.hit("decode.start", rid)
 
         def into_batch(lease: Lease) -> tuple[str | None, object]:
             try:
@@ -85,8 +102,10 @@ class DecodeWorker:
             if reason:
                 self.metrics.finished.labels(reason).inc()
                 return
-            yield from token_events(outputs, rid, self.token_wait_s,  # type: ignore[arg-type]
-                                    lambda why: self.metrics.finished.labels(why).inc())
+            for event in token_events(outputs, rid, self.token_wait_s,  # type: ignore[arg-type]
+                                      lambda why: self.metrics.finished.labels(why).inc()):
+                failpoints.hit("decode.token", rid)
+                yield event
         finally:
             self.loop.unsubscribe(rid)
             self._abort_sequence(rid)  # no-op when it finished
@@ -112,6 +131,8 @@ class DecodeWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        if self._watch is not None:
+            self._watch.stop()
         if self.leases is not None:
             self.leases.close()
         self.agent.close()

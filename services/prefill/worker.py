@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 import time
 
+from pdserve.common import failpoints
 from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient, Send
+from pdserve.worker.agent_client import AgentClient, EpochWatch, Send
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
 
@@ -36,13 +37,18 @@ class PrefillWorker:
         self.pool_id = ""
         self.admitting = True
         self._sends: dict[str, Send] = {}
+        self._watch: EpochWatch | None = None
         self._lock = threading.Lock()
         self.metrics = WorkerMetrics(self.role, self.stats)
 
     def register(self) -> None:
+        """Register the pool with the agent; again whenever the agent restarted."""
         pool = self.engine.pool
-        self.pool_id, _ = self.agent.register_pool(self.worker_id, pool.shm_name, pool.num_pages,
-                                                   pool.page_bytes, pool.fingerprint)
+        self.pool_id, epoch = self.agent.register_pool(self.worker_id, pool.shm_name,
+                                                       pool.num_pages, pool.page_bytes,
+                                                       pool.fingerprint)
+        if self._watch is None:
+            self._watch = self.agent.watch(epoch, self.register)
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
@@ -53,6 +59,7 @@ class PrefillWorker:
             raise Unavailable(f"prefill worker {self.worker_id} is draining")
         rid = request.request_id
         received = time.perf_counter()
+        failpoints.hit("prefill.queued", rid)
         try:
             _, outputs = self.loop.start_sequence(
                 rid, lambda e: e.add_request(rid, request.token_ids, request.params))
@@ -64,6 +71,7 @@ class PrefillWorker:
             queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
             report = TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
+                failpoints.hit("prefill.handoff", rid)
                 report = self._ship(rid, request.ticket, out.page_ids or [],
                                     request.destination, cancelled)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
@@ -106,4 +114,6 @@ class PrefillWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        if self._watch is not None:
+            self._watch.stop()
         self.agent.close()

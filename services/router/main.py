@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                       security=ChannelSecurity.from_options(cfg))
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
                           prefill_timeout_s=cfg.prefill_timeout_s,
-                          reserve_timeout_s=cfg.reserve_timeout_s)
+                          reserve_timeout_s=cfg.reserve_timeout_s,
+                          decode_start_timeout_s=cfg.decode_start_timeout_s,
+                          renew_lease_s=cfg.lease_ms / 1e3)
     servicer = RouterServicer(lifecycle)
     lifecycle.metrics.watch_pool(lambda: worker_counts(pool))
     metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        lifecycle.close()
         pool.close()
         shutdown_tracing()
         if metrics is not None:

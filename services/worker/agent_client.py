@@ -4,6 +4,10 @@ book's `WriteWindow`."""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
+
 import grpc
 from pdserve.common import tracing, wire
 from pdserve.common.errors import Aborted, ServiceError
@@ -13,6 +17,8 @@ from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.common.tickets import TicketKey
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from pdserve.worker.leases import WindowClosed
+
+log = logging.getLogger("pdserve.worker")
 
 
 class AgentClient:
@@ -42,6 +48,18 @@ class AgentClient:
             wait_for_ready=True)
         return reply.pool_id, reply.agent_epoch
 
+    def epoch(self) -> int:
+        """The agent's current epoch (GetAgentInfo); raises grpc.RpcError when unreachable."""
+        reply = self.stub.GetAgentInfo(kvtransfer_pb2.GetAgentInfoRequest(),
+                                       timeout=self.timeout_s)
+        return int(reply.epoch)
+
+    def watch(self, epoch: int, on_restart: Callable[[], None],
+              interval_s: float = 1.0) -> EpochWatch:
+        """Call `on_restart` (re-register the pool) whenever the agent comes back with an
+        epoch other than `epoch`: a restarted agent has forgotten every pool and ticket."""
+        return EpochWatch(self, epoch, on_restart, interval_s)
+
     def window(self, pool_id: str) -> AgentWindow:
         """The write windows of a registered pool (a decode worker's lease book uses them)."""
         return AgentWindow(self, pool_id)
@@ -58,6 +76,47 @@ class AgentClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class EpochWatch:
+    """A daemon thread asking the agent its epoch every `interval_s` (see AgentClient.watch).
+    A failed re-registration is retried at the next check; errors are logged, never raised."""
+
+    def __init__(self, agent: AgentClient, epoch: int, on_restart: Callable[[], None],
+                 interval_s: float):
+        self._agent = agent
+        self.epoch = epoch
+        self._on_restart = on_restart
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._unreachable = False
+        self._thread = threading.Thread(target=self._run, name="agent-epoch-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                epoch = self._agent.epoch()
+            except grpc.RpcError as exc:
+                if not self._unreachable:
+                    log.warning("kvtransfer agent at %s unreachable: %s %s", self._agent.address,
+                                exc.code().name, exc.details())
+                self._unreachable = True
+                continue
+            self._unreachable = False
+            if epoch == self.epoch:
+                continue
+            log.warning("kvtransfer agent at %s restarted (epoch %d -> %d): registering the "
+                        "pool again", self._agent.address, self.epoch, epoch)
+            try:
+                self._on_restart()
+                self.epoch = epoch
+            except Exception as exc:
+                log.warning("registering the pool with the restarted agent at %s failed: %s",
+                            self._agent.address, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class Send:
@@ -85,7 +144,7 @@ class AgentWindow:
 
     def __init__(self, agent: AgentClient, pool_id: str):
         self._agent = agent
-        self.pool_id = pool_id
+        self.pool_id = pool_id  # replaced when the pool is registered with a restarted agent
 
     def open(self, key: TicketKey, page_ids: list[int], lease_s: float) -> None:
         self._agent.stub.ExpectTransfer(kvtransfer_pb2.ExpectTransferRequest(
