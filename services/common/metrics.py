@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("pdserve.metrics")
@@ -59,14 +59,14 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Generate requests by outcome "
-                                "(ok, error, cancelled) and gRPC status code; once each",
-                                ("outcome", "code"), registry=r)
+                                "(ok, error, cancelled), gRPC status code and API (grpc, "
+                                "http); once each", ("outcome", "code", "api"), registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Generate requests being served",
                                registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "request received -> stream ended",
-                             ("outcome",), buckets=LATENCY_BUCKETS, registry=r)
+                             ("outcome", "api"), buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "request received -> first token sent",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ("api",), buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("pdserve_queue_seconds", "request received -> prefill compute "
                                "started (TTFT component)", buckets=LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("pdserve_prefill_seconds", "prefill compute, first layer to "
@@ -95,9 +95,10 @@ class RouterMetrics:
         self.in_flight.inc()
 
     def first_token(self, queue_ms: float, prefill_ms: float, kv_transfer_ms: float,
-                    ttft_ms: float, kv_bytes: int, transport: str, attempts: int) -> None:
+                    ttft_ms: float, kv_bytes: int, transport: str, attempts: int,
+                    api: str = "grpc") -> None:
         """The first token went out: TTFT and its components (decode_start comes apart)."""
-        self.ttft.observe(ttft_ms / 1e3)
+        self.ttft.labels(api).observe(ttft_ms / 1e3)
         self.queue.observe(queue_ms / 1e3)
         self.prefill.observe(prefill_ms / 1e3)
         if transport:  # no handoff when the request ended at its first token
@@ -106,21 +107,26 @@ class RouterMetrics:
         self.retries.inc(max(0, attempts - 1))
 
     def finished(self, code: str, e2e_s: float, prompt_tokens: int, completion_tokens: int,
-                 tpot_ms: float) -> None:
+                 tpot_ms: float, api: str = "grpc") -> None:
         """The request ended (once per request, whatever the outcome); `tpot_ms` 0 when it
         had fewer than two tokens."""
         outcome = outcome_of(code)
-        self.requests.labels(outcome, code).inc()
-        self.e2e.labels(outcome).observe(e2e_s)
+        self.requests.labels(outcome, code, api).inc()
+        self.e2e.labels(outcome, api).observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
         if tpot_ms > 0:
             self.tpot.observe(tpot_ms / 1e3)
         self.in_flight.dec()
 
-    def watch_pool(self, loads: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
-        """Export `loads()` = {role: (healthy workers, workers)} at scrape time."""
-        self.registry.register(_WorkersCollector(loads))
+    def refused(self, code: str, api: str) -> None:
+        """A request its front door refused before the lifecycle saw it (a malformed body)."""
+        self.requests.labels(outcome_of(code), code, api).inc()
+
+    def watch_pool(self, counts: Callable[[], Mapping[str, WorkerCounts]],
+                   discovery_failures: Callable[[], int] = lambda: 0) -> None:
+        """Export the pool's `counts()` per role, and failed DNS lookups, at scrape time."""
+        self.registry.register(_WorkersCollector(counts, discovery_failures))
 
 
 class WorkerMetrics:
@@ -201,19 +207,45 @@ class _StatsCollector(Collector):
                      {"role": self._role}, stats.num_pages - stats.free_pages)
 
 
+@dataclass(frozen=True)
+class WorkerCounts:
+    """One role's workers as the router's pool knows them."""
+
+    healthy: int  # members passing health checks (they get requests)
+    members: int  # configured or discovered now
+    leaving: int = 0  # gone from discovery, their in-flight calls not yet ended
+    joins: int = 0  # since start (the first members included)
+    leaves: int = 0
+
+
 class _WorkersCollector(Collector):
-    def __init__(self, loads: Callable[[], Mapping[str, tuple[int, int]]]):
-        self._loads = loads
+    def __init__(self, counts: Callable[[], Mapping[str, WorkerCounts]],
+                 discovery_failures: Callable[[], int]):
+        self._counts = counts
+        self._discovery_failures = discovery_failures
 
     def collect(self) -> Iterator[Metric]:
-        healthy = GaugeMetricFamily("pdserve_workers_healthy", "workers passing health checks",
-                                    labels=("role",))
-        known = GaugeMetricFamily("pdserve_workers", "workers configured", labels=("role",))
-        for role, (num_healthy, num_known) in self._loads().items():
-            healthy.add_metric((role,), num_healthy)
-            known.add_metric((role,), num_known)
-        yield healthy
-        yield known
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "healthy": GaugeMetricFamily("pdserve_workers_healthy", "workers passing health "
+                                         "checks", labels=("role",)),
+            "members": GaugeMetricFamily("pdserve_workers", "workers configured or discovered",
+                                         labels=("role",)),
+            "leaving": GaugeMetricFamily("pdserve_workers_leaving", "workers gone from "
+                                         "discovery whose in-flight calls have not ended",
+                                         labels=("role",)),
+            "joins": CounterMetricFamily("pdserve_worker_joins", "workers that joined the "
+                                         "pool (the first ones included)", labels=("role",)),
+            "leaves": CounterMetricFamily("pdserve_worker_leaves", "workers that left the "
+                                          "pool (their address record disappeared)",
+                                          labels=("role",)),
+        }
+        for role, counts in self._counts().items():
+            for key, family in families.items():
+                family.add_metric((role,), getattr(counts, key))
+        yield from families.values()
+        yield CounterMetricFamily("pdserve_discovery_failures", "dns:/// lookups that failed "
+                                  "(the last known workers were kept)",
+                                  value=self._discovery_failures())
 
 
 def _gauge(name: str, help_text: str, labels: Mapping[str, str], value: float) -> Metric:

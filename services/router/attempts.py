@@ -26,6 +26,7 @@ decode worker's own wait for its next token and by the channel's keepalive.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ from pdserve.common import failpoints, tracing, wire
 from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.placement import rank_decode, rank_prefill
-from pdserve.router.pool import WorkerPool
+from pdserve.router.pool import Worker, WorkerPool
 from pdserve.router.renewal import LeaseKeeper
 from pdserve.router.validation import Generation
 from pdserve.router.watchdog import Watchdog
@@ -60,6 +61,7 @@ class ReservationHandle:
 
     def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str,
                  reply: decode_pb2.ReserveResponse, abort_timeout_s: float,
+                 on_done: Callable[[], None] = lambda: None,
                  keeper: LeaseKeeper | None = None):
         self.stub = stub
         self.address = address
@@ -67,6 +69,7 @@ class ReservationHandle:
         self.destination: common_pb2.KVDestination = reply.destination
         self.not_held = False  # a renewal found the reservation gone from the worker
         self._abort_timeout_s = abort_timeout_s
+        self._on_done = on_done  # once: settled, or its Abort answered (the worker is free)
         self._lock = threading.Lock()
         self._done = False
         # Renewed while held, when the worker took a renewable lease (older ones do not).
@@ -90,7 +93,10 @@ class ReservationHandle:
     def settle(self) -> None:
         self.stop_renewing()
         with self._lock:
+            if self._done:
+                return
             self._done = True
+        self._on_done()
 
     def release(self, reason: str, *, wait: bool = True) -> None:
         """Abort the ticket on the decode worker (frees its pages). Errors are logged only."""
@@ -103,8 +109,13 @@ class ReservationHandle:
                                         timeout=self._abort_timeout_s)
         if wait:
             _log_abort(self, future)
+            self._on_done()
         else:
-            future.add_done_callback(lambda f: _log_abort(self, f))
+            future.add_done_callback(self._aborted)
+
+    def _aborted(self, future: grpc.Future) -> None:
+        _log_abort(self, future)
+        self._on_done()
 
     def release_nowait(self) -> None:
         self.release("client cancelled", wait=False)
@@ -116,6 +127,10 @@ def _log_abort(reservation: ReservationHandle, future: grpc.Future) -> None:
     except grpc.RpcError as exc:
         log.warning("Abort of %s on decode %s failed: %s %s", reservation.ticket.request_id,
                     reservation.address, exc.code().name, exc.details())
+
+
+def _release_when_done(pool: WorkerPool, worker: Worker, _future: grpc.Future) -> None:
+    pool.release(worker)
 
 
 @dataclass
@@ -180,7 +195,7 @@ class AttemptRunner:
         self._decode_start_timeout_s = decode_start_timeout_s
         self._clock = clock
         # renew_lease_s 0: leases are not renewed and last the longest prefill (+ a margin)
-        self._keeper = LeaseKeeper(pool.decode_stub, renew_lease_s) if renew_lease_s else None
+        self._keeper = LeaseKeeper(renew_lease_s) if renew_lease_s else None
         self._watchdog = Watchdog()
 
     def close(self) -> None:
@@ -248,7 +263,10 @@ class AttemptRunner:
         full: list[str] = []
         down: list[str] = []
         for address in ranked:
-            stub = self._pool.decode_stub(address)
+            worker = self._pool.acquire("decode", address)
+            if worker is None:  # it left the pool since the ranking
+                continue
+            stub = worker.decode
             try:
                 reply = self._call(scope, "router.reserve", stub.Reserve, request,
                                    self._reserve_timeout_s, f"decode {address}", "reserve",
@@ -258,16 +276,22 @@ class AttemptRunner:
                 # (by request id) so the pages do not sit out the whole lease.
                 stub.Abort.future(decode_pb2.AbortRequest(
                     ticket=common_pb2.Ticket(request_id=worker_request_id),
-                    reason="reserve abandoned by the router"), timeout=self._abort_timeout_s)
+                    reason="reserve abandoned by the router"), timeout=self._abort_timeout_s
+                ).add_done_callback(functools.partial(_release_when_done, self._pool, worker))
                 if isinstance(failure, ClientCancelled):
                     raise
                 down.append(str(failure))
                 continue
-            except ResourceExhausted:
-                full.append(address)
-                continue
-            self._pool.note_reserved(address, len(reply.destination.page_ids))
-            return ReservationHandle(stub, address, reply, self._abort_timeout_s, self._keeper)
+            except BaseException as failure:
+                self._pool.release(worker)
+                if isinstance(failure, ResourceExhausted):
+                    full.append(address)
+                    continue
+                raise
+            self._pool.note_reserved(worker, len(reply.destination.page_ids))
+            return ReservationHandle(stub, address, reply, self._abort_timeout_s,
+                                     on_done=functools.partial(self._pool.release, worker),
+                                     keeper=self._keeper)
         if full:  # every reachable decode worker said it has no room: tell the client now
             raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
                                     f"(full: {', '.join(full)})")
@@ -276,20 +300,25 @@ class AttemptRunner:
     def _prefill(self, gen: Generation, worker_request_id: str, reservation: ReservationHandle,
                  scope: CallScope, avoid: set[str]
                  ) -> tuple[str, prefill_pb2.PrefillResponse, float]:
-        ranked = rank_prefill(self._pool.prefill_loads(), avoid)
-        if not ranked:
+        num_tokens = len(gen.prompt_ids)
+        for address in rank_prefill(self._pool.prefill_loads(), avoid):
+            worker = self._pool.acquire("prefill", address, num_tokens)
+            if worker is not None:  # else it left the pool since the ranking
+                break
+        else:
             raise Unavailable("no healthy prefill worker")
-        address = ranked[0]
         request = prefill_pb2.PrefillRequest(
             request_id=worker_request_id, token_ids=gen.prompt_ids,
             sampling=wire.sampling_to_pb(gen.sampling), ticket=reservation.ticket,
             destination=reservation.destination)
         sent = self._clock()
-        with self._pool.prefill_work(address, len(gen.prompt_ids)):
-            reply = self._call(scope, "router.prefill", self._pool.prefill_stub(address).Prefill,
-                               request, self._prefill_timeout_s, f"prefill {address}",
+        try:
+            reply = self._call(scope, "router.prefill", worker.prefill.Prefill, request,
+                               self._prefill_timeout_s, f"prefill {address}",
                                f"prefill + KV handoff to decode {reservation.address}", address,
                                prefill=address, decode=reservation.address)
+        finally:
+            self._pool.release(worker, num_tokens)
         return address, reply, sent
 
     def _start_decode(self, gen: Generation, reservation: ReservationHandle, first_token: int,

@@ -6,13 +6,9 @@ import os
 from dataclasses import dataclass
 
 from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
+from pdserve.router.targets import FORMS, Target, parse_target
 
 SERVICE = "router"
-
-
-def _is_address(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 @dataclass(frozen=True)
@@ -21,8 +17,16 @@ class RouterConfig(ServerConfig):
 
     port: int = option(50051, "gRPC port")
     metrics_port: int = option(9051, METRICS_PORT_HELP)
-    prefill: tuple[str, ...] = option((), "prefill workers, comma-separated host:port")
-    decode: tuple[str, ...] = option((), "decode workers, comma-separated host:port")
+    http_port: int = option(8000, "OpenAI-compatible HTTP API port (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health; 0 = any free "
+                                   "port, -1 = off); HTTPS with --tls-cert")
+    prefill: tuple[str, ...] = option((), "prefill workers, comma-separated host:port and "
+                                          "dns:///NAME:PORT (every address record of NAME is "
+                                          "a worker)")
+    decode: tuple[str, ...] = option((), "decode workers, comma-separated host:port and "
+                                         "dns:///NAME:PORT (every address record of NAME is a "
+                                         "worker)")
+    discovery_interval_s: float = option(5.0, "how often dns:/// targets are resolved again (s)")
     model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
                                      "are read), or a built-in size (tiny, small); default: tiny")
     model_name: str | None = option(None, "the served model's name (default: the directory "
@@ -37,7 +41,7 @@ class RouterConfig(ServerConfig):
                                      "dead router's pages come back after it (ms; 0: no "
                                      "renewal, leases last --prefill-timeout-s + 10 s)")
     health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
-    max_streams: int = option(256, "Generate streams served at once (server threads)")
+    max_streams: int = option(256, "Generate streams served at once (server threads), per API")
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
                                           "without a certificate from that CA")
     api_key_file: str = option("", "file of accepted API keys, one a line: every call but "
@@ -47,16 +51,25 @@ class RouterConfig(ServerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for role in ("prefill", "decode"):
-            addresses = getattr(self, role)
-            require(bool(addresses), role, addresses, "at least one host:port")
-            for address in addresses:
-                require(_is_address(address), role, address, "host:port")
+            entries = getattr(self, role)
+            require(bool(entries), role, entries, f"at least one {FORMS}")
+            for entry in entries:
+                try:
+                    parse_target(entry)
+                except ValueError as exc:
+                    raise ValueError(f"{role}={entry!r}: {exc}") from None
         require(self.model is None or bool(self.model), "model", self.model, "a directory")
         require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
                 self.api_key_file, "a readable file of API keys")
+        require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
+                "0..65535, or -1 (off)")
         require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         require(0 <= self.lease_ms < 1e9, "lease_ms", self.lease_ms, ">= 0 (0 = not renewed)")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s",
-                     "decode_start_timeout_s"):
+                     "discovery_interval_s", "decode_start_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+
+    def targets(self, role: str) -> list[Target]:
+        """The parsed --prefill or --decode entries."""
+        return [parse_target(entry) for entry in getattr(self, role)]

@@ -1,21 +1,32 @@
-"""The router's view of its prefill and decode workers: channels, health, load.
+"""The router's view of its prefill and decode workers: membership, channels, health, load.
 
-A background thread checks every worker each `interval_s` (grpc.health.v1 Check and the
+Membership is dynamic: `set_members(role, addresses)` (called by discovery, or once with
+fixed addresses) adds the workers that are new and retires those that are gone. A new worker
+gets requests only once a health check said SERVING (the checker looks at it at once). A
+retired worker gets no new requests; the calls it has in flight (a Prefill, a reservation with
+its Decode stream and Abort) finish, and its channel is closed after the last one. A worker
+whose address comes back is a member again (checked again first).
+
+A background thread checks every member each `interval_s` (grpc.health.v1 Check and the
 worker's Stats, both with a bounded timeout, all workers at once). Between checks the router
 keeps the loads current itself: prompt tokens in flight per prefill worker, and each decode
 worker's cached Stats adjusted after every reservation it grants.
+
+The per-request path takes the pool's lock for a few dictionary operations only: reading
+loads, and `acquire` / `release` around each call to a worker.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.placement import DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -30,6 +41,8 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+ROLES = ("prefill", "decode")
+RECHECK_DOWN_S = 0.5
 
 
 @dataclass
@@ -44,35 +57,121 @@ class Worker:
     healthy: bool = False
     stats: common_pb2.WorkerStats | None = None
     inflight_prompt_tokens: int = 0
+    calls: int = 0  # this router's calls on it now (acquire .. release)
+    member: bool = True  # False once retired: no new calls; dropped after its last one
     last_error: str = field(default="", repr=False)
 
+    @property
+    def prefill(self) -> prefill_pb2_grpc.PrefillStub:
+        assert isinstance(self.stub, prefill_pb2_grpc.PrefillStub)
+        return self.stub
 
-RECHECK_DOWN_S = 0.5
+    @property
+    def decode(self) -> decode_pb2_grpc.DecodeStub:
+        assert isinstance(self.stub, decode_pb2_grpc.DecodeStub)
+        return self.stub
 
 
 class WorkerPool:
-    """All workers of both roles, kept checked by a background thread."""
+    """All workers of both roles, kept checked by a background thread (thread-safe)."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
+    def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  security: ChannelSecurity | None = None):
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self._security = security
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._workers: dict[tuple[str, str], Worker] = {}  # by (role, address)
-        channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
-        for role, addresses, stub_cls in (("prefill", prefill, prefill_pb2_grpc.PrefillStub),
-                                          ("decode", decode, decode_pb2_grpc.DecodeStub)):
-            for address in addresses:
-                channel = channels.get(address) or open_channel(address, security,
-                                                                CHANNEL_OPTIONS)
-                channels[address] = channel
-                self._workers[(role, address)] = Worker(address, role, channel, stub_cls(channel),
-                                                        health_pb2_grpc.HealthStub(channel))
-        self._channels = list(channels.values())
+        self._workers: dict[tuple[str, str], Worker] = {}  # by (role, address), retired too
+        self._channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
+        self._joins = dict.fromkeys(ROLES, 0)
+        self._leaves = dict.fromkeys(ROLES, 0)
+        for role, addresses in zip(ROLES, (prefill, decode)):
+            if addresses:
+                self.set_members(role, addresses)
+
+    # --- membership -------------------------------------------------------------------------
+
+    def set_members(self, role: str, addresses: Sequence[str] | Mapping[str, str]) -> None:
+        """Make `addresses` the workers of `role`. A mapping gives, per address, the name its
+        TLS certificate must carry ("" = the address's host; --tls-server-name wins)."""
+        names = addresses if isinstance(addresses, Mapping) else dict.fromkeys(addresses, "")
+        stub_cls = prefill_pb2_grpc.PrefillStub if role == "prefill" else \
+            decode_pb2_grpc.DecodeStub
+        idle: list[Worker] = []
+        with self._lock:
+            for address, tls_name in names.items():
+                worker = self._workers.get((role, address))
+                if worker is not None and worker.member:
+                    continue
+                if worker is not None:  # back before its last call ended: check it again
+                    worker.member, worker.healthy = True, False
+                else:
+                    channel = self._channels.get(address) or self._open(address, tls_name)
+                    self._channels[address] = channel
+                    self._workers[(role, address)] = Worker(
+                        address, role, channel, stub_cls(channel),
+                        health_pb2_grpc.HealthStub(channel))
+                self._joins[role] += 1
+                log.info("%s worker %s joins (used once SERVING)", role, address)
+            for (r, address), worker in self._workers.items():
+                if r == role and worker.member and address not in names:
+                    worker.member = False
+                    self._leaves[role] += 1
+                    log.info("%s worker %s leaves: no new requests, %d calls in flight",
+                             role, address, worker.calls)
+                    if worker.calls == 0:
+                        idle.append(worker)
+            closing = [self._drop(w) for w in idle]
+        self._close([c for c in closing if c is not None])
+        self._wake.set()  # newcomers are checked now, not at the next round
+
+    def _open(self, address: str, tls_name: str) -> grpc.Channel:
+        options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS
+        if tls_name and self._security is not None and not self._security.server_name:
+            options = (*options, ("grpc.ssl_target_name_override", tls_name))
+        return open_channel(address, self._security, options)
+
+    def _drop(self, worker: Worker) -> grpc.Channel | None:
+        """Forget a retired worker whose calls ended (lock held); its channel when no other
+        role uses it."""
+        del self._workers[(worker.role, worker.address)]
+        if any(w.address == worker.address for w in self._workers.values()):
+            return None
+        log.info("%s worker %s left: its calls ended, channel closed", worker.role,
+                 worker.address)
+        return self._channels.pop(worker.address, None)
+
+    @staticmethod
+    def _close(channels: list[grpc.Channel]) -> None:
+        # Not on the caller's thread: `release` may run in a gRPC callback of that channel.
+        for channel in channels:
+            threading.Thread(target=channel.close, name="router-pool-close", daemon=True).start()
+
+    def acquire(self, role: str, address: str, prompt_tokens: int = 0) -> Worker | None:
+        """The worker for a new call, counted in use until `release`; None when it is no
+        longer a member. `prompt_tokens`: counted as in flight on a prefill worker."""
+        with self._lock:
+            worker = self._workers.get((role, address))
+            if worker is None or not worker.member:
+                return None
+            worker.calls += 1
+            worker.inflight_prompt_tokens += prompt_tokens
+            return worker
+
+    def release(self, worker: Worker, prompt_tokens: int = 0) -> None:
+        """A call that `acquire` counted ended; a retired worker's last one closes it."""
+        with self._lock:
+            worker.calls -= 1
+            worker.inflight_prompt_tokens -= prompt_tokens
+            drop = (not worker.member and worker.calls == 0
+                    and self._workers.get((worker.role, worker.address)) is worker)
+            channel = self._drop(worker) if drop else None
+        if channel is not None:
+            self._close([channel])
 
     # --- checking -------------------------------------------------------------------------
 
@@ -83,18 +182,19 @@ class WorkerPool:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()
             self.check_now()
             with self._lock:
-                all_healthy = all(w.healthy for w in self._workers.values())
-            # A worker that is down (or still starting) is looked at again soon, so it rejoins
+                all_healthy = all(w.healthy for w in self._workers.values() if w.member)
+            # A worker that is down (or still starting) is looked at again soon, so it joins
             # quickly; healthy ones every interval.
             self._wake.wait(self.interval_s if all_healthy
                             else min(self.interval_s, RECHECK_DOWN_S))
-            self._wake.clear()
 
     def check_now(self) -> None:
-        """One round: health Check and Stats of every worker, in parallel, bounded."""
-        workers = list(self._workers.values())
+        """One round: health Check and Stats of every member, in parallel, bounded."""
+        with self._lock:
+            workers = [w for w in self._workers.values() if w.member]
         checks = [w.health.Check.future(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
                   for w in workers]
         stats = [w.stub.Stats.future(common_pb2.StatsRequest(), timeout=self.timeout_s)
@@ -109,6 +209,8 @@ class WorkerPool:
             except grpc.RpcError:
                 fresh = None
             with self._lock:
+                if not worker.member:
+                    continue
                 if healthy != worker.healthy:
                     log.info("%s worker %s is %s", worker.role, worker.address,
                              "healthy" if healthy else f"unhealthy ({error})")
@@ -123,29 +225,49 @@ class WorkerPool:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + self.timeout_s + 1)
-        for channel in self._channels:
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
             channel.close()
 
-    # --- what placement and the lifecycle read --------------------------------------------
+    # --- what placement, the lifecycle and metrics read -----------------------------------
 
     def ready(self) -> bool:
         """At least one healthy prefill and one healthy decode worker."""
         with self._lock:
-            roles = {w.role for w in self._workers.values() if w.healthy}
-        return roles >= {"prefill", "decode"}
+            roles = {w.role for w in self._workers.values() if w.healthy and w.member}
+        return roles >= set(ROLES)
+
+    def addresses(self, role: str) -> list[str]:
+        """The members of `role` (healthy or not), in the order they joined."""
+        with self._lock:
+            return [w.address for w in self._workers.values() if w.role == role and w.member]
+
+    def counts(self) -> dict[str, WorkerCounts]:
+        """Per role: healthy members, members, retired workers with calls still in flight,
+        and the joins and leaves so far."""
+        with self._lock:
+            workers = list(self._workers.values())
+            return {role: WorkerCounts(
+                healthy=sum(w.healthy and w.member for w in workers if w.role == role),
+                members=sum(w.member for w in workers if w.role == role),
+                leaving=sum(not w.member for w in workers if w.role == role),
+                joins=self._joins[role], leaves=self._leaves[role]) for role in ROLES}
 
     def prefill_loads(self) -> list[PrefillLoad]:
-        """Every prefill worker's health and pending prompt tokens."""
+        """Every prefill member's health and pending prompt tokens."""
         with self._lock:
             return [PrefillLoad(w.address, w.healthy,
                                 w.stats.queued_prompt_tokens if w.stats else 0,
                                 w.inflight_prompt_tokens)
-                    for w in self._workers.values() if w.role == "prefill"]
+                    for w in self._workers.values() if w.role == "prefill" and w.member]
 
     def decode_loads(self) -> list[DecodeLoad]:
-        """Every decode worker's health and its last known (locally adjusted) Stats."""
+        """Every decode member's health and its last known (locally adjusted) Stats."""
         with self._lock:
-            return [self._decode_load(w) for w in self._workers.values() if w.role == "decode"]
+            return [self._decode_load(w) for w in self._workers.values()
+                    if w.role == "decode" and w.member]
 
     @staticmethod
     def _decode_load(w: Worker) -> DecodeLoad:
@@ -157,16 +279,6 @@ class WorkerPool:
                        waiting_sequences=s.waiting_sequences, reserved_tickets=s.reserved_tickets,
                        block_size=s.fingerprint.block_size or load.block_size)
 
-    def prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
-        stub = self._workers[("prefill", address)].stub
-        assert isinstance(stub, prefill_pb2_grpc.PrefillStub)
-        return stub
-
-    def decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
-        stub = self._workers[("decode", address)].stub
-        assert isinstance(stub, decode_pb2_grpc.DecodeStub)
-        return stub
-
     # --- what the lifecycle reports back --------------------------------------------------
 
     def suspect(self, address: str) -> None:
@@ -174,24 +286,12 @@ class WorkerPool:
         log.debug("worker %s suspected down; checking now", address)
         self._wake.set()
 
-    def note_reserved(self, address: str, num_pages: int) -> None:
+    def note_reserved(self, worker: Worker, num_pages: int) -> None:
         """A decode worker granted a reservation: adjust its cached Stats until the next check."""
         with self._lock:
-            worker = self._workers[("decode", address)]
             if worker.stats is not None:
                 stats = common_pb2.WorkerStats()
                 stats.CopyFrom(worker.stats)
                 stats.free_pages = max(0, stats.free_pages - num_pages)
                 stats.reserved_tickets += 1
                 worker.stats = stats
-
-    @contextmanager
-    def prefill_work(self, address: str, num_prompt_tokens: int) -> Iterator[None]:
-        """Count `num_prompt_tokens` as in flight on a prefill worker while inside."""
-        with self._lock:
-            self._workers[("prefill", address)].inflight_prompt_tokens += num_prompt_tokens
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._workers[("prefill", address)].inflight_prompt_tokens -= num_prompt_tokens

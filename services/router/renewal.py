@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -33,6 +32,7 @@ class Renewable(Protocol):
 
     address: str
     ticket: common_pb2.Ticket
+    stub: decode_pb2_grpc.DecodeStub
 
     def mark_not_held(self) -> None: ...
 
@@ -40,12 +40,10 @@ class Renewable(Protocol):
 class LeaseKeeper:
     """Renews the held reservations of every decode worker in a background thread."""
 
-    def __init__(self, stub_for: Callable[[str], decode_pb2_grpc.DecodeStub],
-                 renew_lease_s: float, *, rpc_timeout_s: float = 1.0):
+    def __init__(self, renew_lease_s: float, *, rpc_timeout_s: float = 1.0):
         self.renew_lease_s = renew_lease_s
         self.interval_s = max(MIN_INTERVAL_S, renew_lease_s / 4)
         self._rpc_timeout_s = min(rpc_timeout_s, max(self.interval_s, MIN_INTERVAL_S))
-        self._stub_for = stub_for
         self._lock = threading.Lock()
         self._held: dict[str, dict[str, Renewable]] = {}  # address -> request id -> handle
         self._failing: set[str] = set()  # addresses whose last renewal failed (logged once)
@@ -80,24 +78,29 @@ class LeaseKeeper:
         for address, handles in rounds:
             request = decode_pb2.RenewRequest(tickets=[h.ticket for h in handles],
                                               renew_lease_ms=self.renew_lease_s * 1e3)
-            calls.append((address, handles, self._stub_for(address).Renew.future(
-                request, timeout=self._rpc_timeout_s)))
+            try:  # any handle's stub reaches the worker (it may have left the pool: closed)
+                calls.append((address, handles, handles[0].stub.Renew.future(
+                    request, timeout=self._rpc_timeout_s)))
+            except ValueError as exc:
+                self._failed(address, len(handles), str(exc))
         for address, handles, call in calls:
             try:
                 not_held = set(call.result().not_held)
             except grpc.RpcError as exc:
-                if address not in self._failing:
-                    self._failing.add(address)
-                    log.warning("renewing %d reservation(s) on decode %s failed: %s %s; they "
-                                "lapse within %.1f s unless a renewal gets through",
-                                len(handles), address, exc.code().name, exc.details(),
-                                self.renew_lease_s)
+                self._failed(address, len(handles), f"{exc.code().name} {exc.details()}")
                 continue
             self._failing.discard(address)
             for handle in handles:
                 if handle.ticket.request_id in not_held:
                     handle.mark_not_held()
                     self.drop(handle)
+
+    def _failed(self, address: str, count: int, why: str) -> None:
+        if address not in self._failing:
+            self._failing.add(address)
+            log.warning("renewing %d reservation(s) on decode %s failed: %s; they lapse within "
+                        "%.1f s unless a renewal gets through", count, address, why,
+                        self.renew_lease_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -1,0 +1,97 @@
+"""Keeps the pool's members in step with the router's targets (see pdserve.router.targets).
+
+Each round expands every target (a `host:port` is itself, a `dns:///NAME:PORT` is every
+address record of NAME) and hands the union per role to `WorkerPool.set_members`, which adds
+the new workers and retires the gone ones. Rounds run every `interval_s` on a background
+thread, the first at once. A name that fails to resolve keeps the addresses it had last
+(logged, counted in `failures`; never fatal): a DNS outage must not empty a pool that is
+serving. A name that resolves to no address at all is the same as one that fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from pdserve.router.pool import ROLES, WorkerPool
+from pdserve.router.targets import Resolver, Target, system_resolver
+
+log = logging.getLogger("pdserve.router.discovery")
+
+
+class Discovery:
+    """Re-resolves the DNS targets of both roles and updates the pool (thread-safe)."""
+
+    def __init__(self, pool: WorkerPool, prefill: Sequence[Target], decode: Sequence[Target],
+                 *, interval_s: float = 5.0, resolve: Resolver = system_resolver):
+        self._pool = pool
+        self._targets = dict(zip(ROLES, (tuple(prefill), tuple(decode))))
+        self.interval_s = interval_s
+        self._resolve = resolve
+        self._known: dict[Target, list[str]] = {}  # last good answer per DNS target
+        self._failing: dict[Target, str] = {}  # DNS targets whose last lookup failed: why
+        self.failures = 0  # lookups that failed, since start
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Some target is a DNS name (so rounds after the first can change anything)."""
+        return any(t.dns for targets in self._targets.values() for t in targets)
+
+    def refresh(self) -> None:
+        """One round: resolve every DNS target and set both roles' members."""
+        with self._lock:  # one round at a time
+            for role, targets in self._targets.items():
+                members: dict[str, str] = {}  # address -> the name its certificate carries
+                for target in targets:
+                    if not target.dns:
+                        members.setdefault(target.address, "")
+                        continue
+                    for address in self._lookup(role, target):
+                        members.setdefault(address, target.host)
+                self._pool.set_members(role, members)
+
+    def _lookup(self, role: str, target: Target) -> list[str]:
+        try:
+            addresses = self._resolve(target.host, target.port)
+            if not addresses:
+                raise OSError("no address records")
+        except OSError as exc:
+            self.failures += 1
+            known = self._known.get(target, [])
+            why = f"{type(exc).__name__}: {exc}"
+            if self._failing.get(target) != why:  # once per new reason, not every round
+                log.warning("%s target %s does not resolve (%s); keeping its last %d "
+                            "workers", role, target.text, why, len(known))
+            self._failing[target] = why
+            return known
+        if self._failing.pop(target, None) is not None:
+            log.info("%s target %s resolves again: %d workers", role, target.text,
+                     len(addresses))
+        self._known[target] = addresses
+        return addresses
+
+    def start(self) -> None:
+        """Static targets become members now; DNS targets on a background thread, the first
+        round at once and then every interval."""
+        if not self.dynamic:
+            self.refresh()
+            return
+        self._thread = threading.Thread(target=self._run, name="router-discovery", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception:  # never let a bug end discovery silently
+                log.exception("discovery round failed")
+            self._stop.wait(self.interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5.0)
