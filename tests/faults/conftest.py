@@ -11,12 +11,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import MAX_TOKENS, PROMPTS
+from tests.faults.matrix import ROWS, node_rules, write_table
 from tests.faults.protofuzz import EXAMPLES, OUTCOMES
-from tests.faults.stack import FaultStack
+from tests.faults.stack import FaultStack, iter_pids
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The fuzzers' outcomes per method (status code: examples), for the record."""
+    """The fault matrix (also written to build/fault-matrix.md) and the fuzzers' outcomes per
+    method (status code: examples), for the record."""
+    if ROWS:
+        terminalreporter.section("fault matrix: fault x phase -> outcome")
+        terminalreporter.write(write_table())
     if OUTCOMES:
         terminalreporter.section("fuzzed RPCs: status codes returned")
         for method, tally in sorted(OUTCOMES.items()):
@@ -27,16 +32,33 @@ def pytest_terminal_summary(terminalreporter) -> None:
                 terminalreporter.write_line(f"  {method} {code}: {details}")
 
 
-@pytest.fixture(scope="session")
-def fuzz_stack(tiny_model_dir):
-    """A TCP-transport stack the fuzzers share (each test checks it is healthy after)."""
+LEASE_S = 1.0
+
+
+@pytest.fixture(scope="package")
+def fault_stack(tiny_model_dir, tmp_path_factory):
+    """The stack every fault test here shares (TCP between the agents; the fail points of the
+    kill matrix armed, which only requests with its tags meet). Each test leaves it healthy:
+    the fuzzers and the storm check that, the kill matrix restarts what it killed. At the end
+    no process it ever started is left."""
+    pause_dir = tmp_path_factory.mktemp("pauses")
     fs = FaultStack(tiny_model_dir, transport="tcp", num_pages=96,
-                    router_args=("--lease-ms", "2000"), prefill_args=("--transfer-timeout-s", "5"))
+                    router_args=("--lease-ms", str(LEASE_S * 1e3)),
+                    prefill_args=("--transfer-timeout-s", "5"))
+    fs.pause_dir = pause_dir  # type: ignore[attr-defined]
+    fs.rules = node_rules(fs, pause_dir)  # type: ignore[attr-defined]
     try:
-        fs.start()
+        fs.start(fs.rules)  # type: ignore[attr-defined]
         yield fs
     finally:
         fs.close()
+        left = list(iter_pids(fs.spawned))
+        assert not left, f"processes left running: {left}"
+
+
+@pytest.fixture
+def fuzz_stack(fault_stack):
+    return fault_stack
 
 
 _CANARY_IDS = itertools.count()

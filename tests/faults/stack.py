@@ -84,6 +84,7 @@ class FaultStack:
             "--decode", ",".join(n.address for n in self.workers("decode")),
             "--health-interval-s", "0.25", *common, *router_args])
         self._channels: dict[str, grpc.Channel] = {}
+        self.spawned: list[int] = []  # every pid this stack started, killed ones included
 
     def _add(self, name: str, address: str, argv: list[str]) -> None:
         self.nodes[name] = Node(name, address, argv)
@@ -107,6 +108,7 @@ class FaultStack:
         env = {"PDSERVE_FAILPOINTS": failpoints} if failpoints else {}
         node.env = env
         node.proc = ServiceProcess(node.argv, {**env, "OTEL_SDK_DISABLED": "true"})
+        self.spawned.append(node.proc.proc.pid)
 
     def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
         node = self.nodes[name]
