@@ -223,6 +223,12 @@ class AttemptRunner:
                 log.info("request %s attempt %d failed: %s", gen.request_id, attempt, failure)
                 avoid_prefill.update(filter(None, [failure.prefill]))
                 avoid_decode.update(filter(None, [failure.decode]))
+            except ServiceError as exc:
+                if not failures:
+                    raise
+                # A retry that found no worker left: say what failed first (peer and phase).
+                raise ServiceError(f"{exc.message} (retrying after: {'; '.join(failures)})",
+                                   exc.code) from None
         raise Unavailable(f"request {gen.request_id} failed before its first token after "
                           f"{self._max_retries + 1} attempts: " + "; ".join(failures))
 

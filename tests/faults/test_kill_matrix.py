@@ -4,12 +4,12 @@ The fault tests' shared stack (router, one prefill and one decode worker, an age
 "host", TCP between the agents), fail points parking requests at each phase. Per role, one
 round: four requests are parked, one at each phase (queued, prefilling, handing off,
 decoding), two bystanders keep streaming, the role's process is killed with SIGKILL, the
-parked requests are let go, and every stream's end is checked (matrix.check_stream: never a repeated or reordered token, exact
-when OK, else a named status with a message naming the peer and the phase). Then: every
-surviving worker's free pages back at their starting count, the killed process restarted (an
-agent with a new epoch: the workers register their pools again), every service SERVING and a
-request exact again. The rows go to the matrix table (build/fault-matrix.md, printed at the
-end of the run).
+parked requests are let go, and every stream's end is checked (matrix.check_stream: never a
+repeated or reordered token, exact when OK, else a named status with a message naming the
+peer and the phase). Then: every surviving worker's free pages back at their starting count,
+the killed process restarted (an agent with a new epoch: the workers register their pools
+again), every service SERVING and a request exact again. The rows go to the matrix table
+(build/fault-matrix.md, printed at the end of the run).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2
 router, prefill, decode, dev, expected = sys.argv[1:6]
 expected = json.loads(expected)
 for address in (prefill, decode, router):
-    wait_serving(address, 120)
+    wait_serving(address, 240)
 p = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill))
 d = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(decode))
 r = router_pb2_grpc.RouterStub(grpc.insecure_channel(router))
@@ -109,7 +109,7 @@ def test_cut_and_slow_data_link(hosts, tiny_model_dir, reference):  # noqa: F811
         done = subprocess.run(in_ns(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
                                     f"{ip_a}:50061", f"{ip_b}:50071", data_a,
                                     json.dumps(expected)),
-                              capture_output=True, text=True, timeout=280)
+                              capture_output=True, text=True, timeout=420)
         logs = logs_of(running)
     assert done.returncode == 0, done.stderr[-3000:] + logs
     out = json.loads(done.stdout.strip().splitlines()[-1])
