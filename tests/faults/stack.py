@@ -77,9 +77,11 @@ class FaultStack:
             self._add(f"prefill-{i}", f"127.0.0.1:{port}", [
                 *py, "pdserve.prefill.main", "--port", str(port), "--kv-agent", agents["a"],
                 *worker, *prefill_args])
-        port = free_port()
+        port, http_port = free_port(), free_port()
+        self.http = f"127.0.0.1:{http_port}"  # the router's OpenAI-compatible HTTP API
         self._add("router", f"127.0.0.1:{port}", [
-            *py, "pdserve.router.main", "--port", str(port), "--model", str(model_dir),
+            *py, "pdserve.router.main", "--port", str(port), "--http-port", str(http_port),
+            "--model", str(model_dir),
             "--prefill", ",".join(n.address for n in self.workers("prefill")),
             "--decode", ",".join(n.address for n in self.workers("decode")),
             "--health-interval-s", "0.25", *common, *router_args])

@@ -1,5 +1,6 @@
 """The KV data link between two hosts (network namespaces) cut in the middle of a handoff
-(`ip link set down`), and made slower than the transfer timeout (`tc netem` delay).
+(`ip link set down`), and made slower than the transfer timeout (`tc netem` delay; a `tbf`
+rate limit where the kernel has no netem).
 
 The two-host stack of the multi-host tests (router, prefill and agent on A; decode and agent
 on B; the agents' bytes on a data link of their own). A driver inside host A runs each case:
@@ -82,8 +83,14 @@ out["cut"] = dict(result, seconds=round(time.monotonic() - cut, 1), pages_back=b
 link("up")
 tc("del", "dev", dev, "root")
 out["cut_after"] = generate(prompt="def fibonacci(n):", max_tokens=20)[:2]
-# 2. A link slower than the transfer timeout.
-tc("add", "dev", dev, "root", "netem", "delay", "3000ms")
+# 2. A link slower than the transfer timeout: 3 s of delay (netem), or, on kernels without
+#    netem, 16 kbit/s (tbf): the 16 KB handoff would take 8 s.
+slow = subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "3000ms"],
+                      capture_output=True, text=True, timeout=30)
+out["slow_by"] = "netem delay 3 s"
+if slow.returncode != 0:
+    tc("add", "dev", dev, "root", "tbf", "rate", "16kbit", "burst", "2kb", "latency", "30s")
+    out["slow_by"] = "tbf 16 kbit/s (no netem in this kernel)"
 started = time.monotonic()
 ids, code, details = generate(prompt="def fibonacci(n):", max_tokens=20)
 out["slow"] = dict(ids=ids, code=code, details=details,
@@ -121,6 +128,7 @@ def test_cut_and_slow_data_link(hosts, tiny_model_dir, reference):  # noqa: F811
         assert _named(got["details"]), f"{case}: the message names no peer/phase: {got}"
         assert got["pages_back"], f"{case}: pages not back: {got}\n{logs}"
         assert out[f"{case}_after"] == [expected, "OK"], (case, out[f"{case}_after"])
-        fault = "cut (ip link set down)" if case == "cut" else "slow (netem 3 s > timeout 2 s)"
+        fault = ("cut (ip link set down)" if case == "cut"
+                 else f"slow ({out['slow_by']}) > timeout 2 s")
         ROWS.append((f"data link {fault}", "handing off", f"{got['code']} in {got['seconds']} s: "
                      f"{got['details'].splitlines()[0][:90]}; pages back; exact after repair"))
