@@ -14,6 +14,7 @@ again), every service SERVING and a request exact again. The rows go to the matr
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -96,8 +97,9 @@ def test_kill_at_every_phase(matrix, reference, role):
     back_s = time.monotonic() - killed_at
     fs.restart(role, rules.get(role, ""))
     assert _exact_again(fs, expected), fs.logs()
-    for name in fs.nodes:
-        assert serving(fs, name), f"{name} not SERVING after {role} came back"
+    for name in fs.nodes:  # health is polled (the router's every 0.25 s): a bounded wait
+        assert wait_for(functools.partial(serving, fs, name), 15), \
+            f"{name} not SERVING after {role} came back"
     for phase, outcome in outcomes.items():
         ROWS.append((f"kill -9 {role}", phase, outcome))
     ok = sum(o == "OK, exact" for o in bystanders.outcomes)
