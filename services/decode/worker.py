@@ -18,7 +18,7 @@ from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient, AgentWindow, EpochWatch
+from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import token_events
@@ -44,25 +44,22 @@ class DecodeWorker:
         self.admitting = True
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.leases: LeaseBook | None = None
-        self._window: AgentWindow | None = None
-        self._watch: EpochWatch | None = None
 
     def register(self) -> None:
-        """Register the pool with the agent, then accept reservations. Runs again when the
-        agent restarted (its epoch watch): reservations made before that are gone with the
-        old agent (their handoffs fail as a stale epoch), new ones use the new registration."""
+        """Register the pool with the agent, then accept reservations."""
         pool = self.engine.pool
         self.pool_id, self.agent_epoch = self.agent.register_pool(
-            self.worker_id, pool.shm_name, pool.num_pages, pool.page_bytes, pool.fingerprint)
-        if self._window is not None:
-            self._window.pool_id = self.pool_id
-            return
-        self._window = self.agent.window(self.pool_id)
-        self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop), self._window,
+            self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
+            on_registered=self._registered)
+        self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop),
+                                self.agent.window(),
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
         self.leases.start_reaper()
-        self._watch = self.agent.watch(self.agent_epoch, self.register)
+
+    def _registered(self, pool_id: str, agent_epoch: int) -> None:
+        # Again after an agent restart: reservations from now on name the new pool and epoch.
+        self.pool_id, self.agent_epoch = pool_id, agent_epoch
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
                 renew_s: float = 0.0) -> Reservation:
@@ -74,7 +71,8 @@ class DecodeWorker:
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s)
         return Reservation(lease.key, Destination(self.agent_address, self.agent_epoch,
                                                   self.pool_id, tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint), lease.renew_s)
+                                                  self.engine.pool.fingerprint),
+                           lease.renew_s)
 
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
         """The router's heartbeat for the reservations it holds; returns those not held."""
@@ -131,8 +129,6 @@ class DecodeWorker:
 
     def stop(self) -> None:
         self.admitting = False
-        if self._watch is not None:
-            self._watch.stop()
         if self.leases is not None:
             self.leases.close()
         self.agent.close()

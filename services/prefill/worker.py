@@ -17,7 +17,7 @@ from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient, EpochWatch, Send
+from pdserve.worker.agent_client import AgentClient, Send
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
 
@@ -37,18 +37,17 @@ class PrefillWorker:
         self.pool_id = ""
         self.admitting = True
         self._sends: dict[str, Send] = {}
-        self._watch: EpochWatch | None = None
         self._lock = threading.Lock()
         self.metrics = WorkerMetrics(self.role, self.stats)
 
     def register(self) -> None:
-        """Register the pool with the agent; again whenever the agent restarted."""
         pool = self.engine.pool
-        self.pool_id, epoch = self.agent.register_pool(self.worker_id, pool.shm_name,
-                                                       pool.num_pages, pool.page_bytes,
-                                                       pool.fingerprint)
-        if self._watch is None:
-            self._watch = self.agent.watch(epoch, self.register)
+        self.pool_id, _ = self.agent.register_pool(
+            self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
+            on_registered=self._registered)
+
+    def _registered(self, pool_id: str, agent_epoch: int) -> None:
+        self.pool_id = pool_id  # again after an agent restart
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
@@ -114,6 +113,4 @@ class PrefillWorker:
 
     def stop(self) -> None:
         self.admitting = False
-        if self._watch is not None:
-            self._watch.stop()
         self.agent.close()

@@ -54,6 +54,7 @@ def fault_stack(tiny_model_dir, tmp_path_factory):
         fs.close()
         left = list(iter_pids(fs.spawned))
         assert not left, f"processes left running: {left}"
+        assert not fs.segments(), f"shared-memory segments left: {fs.segments()}"
 
 
 @pytest.fixture

@@ -159,6 +159,12 @@ class FaultStack:
     def logs(self) -> str:
         return "\n".join(f"--- {name}\n{self.log(name)[-2500:]}" for name in self.nodes)
 
+    def segments(self) -> set[str]:
+        """/dev/shm/pdserve-* segments of any process this stack ever started (named ones
+        carry their creator's pid)."""
+        return {name for name in shm_segments()
+                if any(f"-{pid}-" in name for pid in self.spawned)}
+
     def pids(self) -> list[int]:
         return [n.pid for n in self.nodes.values() if n.alive()]
 

@@ -35,30 +35,18 @@ class FakeAgents:
     landed: set[TicketKey] = field(default_factory=set)
     hold_sends: threading.Event | None = None
     sending: threading.Event = field(default_factory=threading.Event)
-    restarts: list = field(default_factory=list)  # the workers' re-registration callbacks
-    registrations: int = 0
 
-    def register_pool(self, worker_id, shm_name, num_pages, page_bytes, fingerprint):
-        self.registrations += 1
+    def register_pool(self, worker_id, fd, num_pages, page_bytes, fingerprint,
+                      on_registered=None):
         return worker_id, 1  # pool id = worker id, agent epoch 1
 
-    def watch(self, epoch, on_restart, interval_s=1.0):
-        """The epoch watch: a test calls `restarts[i]()` as if the agent had restarted."""
-        self.restarts.append(on_restart)
-        return _Watch()
-
-    def window(self, pool_id: str) -> FakeWindow:
-        return FakeWindow(self, pool_id)
+    def window(self) -> FakeWindow:
+        return FakeWindow(self, "decode")  # only the decode worker opens windows
 
     def send(self, ticket, src_pool_id, src_page_ids, destination: Destination, timeout_s):
         return FakeSend(self, ticket, src_pool_id, list(src_page_ids), destination)
 
     def close(self) -> None:
-        pass
-
-
-class _Watch:
-    def stop(self) -> None:
         pass
 
 
@@ -147,23 +135,6 @@ def test_prefill_then_decode_is_token_exact_and_frees_every_page(pair, reference
         stats = worker.stats()
         assert stats.free_pages == stats.num_pages and stats.running_sequences == 0
     assert decode.stats().reserved_tickets == 0
-
-
-def test_workers_register_their_pool_again_when_their_agent_restarts(pair, reference):
-    agents, prefill, decode = pair
-    assert len(agents.restarts) == 2 and agents.registrations == 2  # one watch per worker
-    for on_restart in agents.restarts:  # both agents came back with a new epoch
-        on_restart()
-    assert agents.registrations == 4 and len(agents.restarts) == 2  # no second watch
-    prompt = PROMPTS[2]
-    ids = prompt_ids(reference, prompt)
-    reservation = decode.reserve("again", len(ids), 0.0)
-    result = prefill.prefill(PrefillRequest("again", ids, GREEDY, reservation.ticket,
-                                            reservation.destination), threading.Event())
-    events = list(decode.decode(DecodeRequest(reservation.ticket, ids, result.first_token,
-                                              GREEDY)))
-    assert [result.first_token] + [t for ev in events for t in ev.token_ids] == \
-        reference[1][prompt][1]
 
 
 def test_decode_refuses_a_handoff_that_did_not_land_and_frees_its_pages(pair, reference):
