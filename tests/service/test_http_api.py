@@ -56,7 +56,7 @@ def test_greedy_completions_equal_transformers(stack, client, reference):
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (n_prompt,
                                                                                len(ref_ids))
         timing = reply.model_extra["pdserve"]["timing"]
-        assert timing["kv_transport"] == "ucx" and timing["kv_pages"] == -(-n_prompt // 16)
+        assert timing["kv_transport"] == "shm" and timing["kv_pages"] == -(-n_prompt // 16)
         assert timing["ttft_ms"] >= timing["prefill_ms"] + timing["kv_transfer_ms"] > 0
 
 
