@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+from pdserve.common import failpoints
 from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
@@ -41,8 +42,12 @@ class PrefillWorker:
 
     def register(self) -> None:
         pool = self.engine.pool
-        self.pool_id, _ = self.agent.register_pool(self.worker_id, pool.shm_name, pool.num_pages,
-                                                   pool.page_bytes, pool.fingerprint)
+        self.pool_id, _ = self.agent.register_pool(
+            self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
+            on_registered=self._registered)
+
+    def _registered(self, pool_id: str, agent_epoch: int) -> None:
+        self.pool_id = pool_id  # again after an agent restart
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
@@ -53,6 +58,7 @@ class PrefillWorker:
             raise Unavailable(f"prefill worker {self.worker_id} is draining")
         rid = request.request_id
         received = time.perf_counter()
+        failpoints.hit("prefill.queued", rid)
         try:
             _, outputs = self.loop.start_sequence(
                 rid, lambda e: e.add_request(rid, request.token_ids, request.params))
@@ -64,6 +70,7 @@ class PrefillWorker:
             queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
             report = TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
+                failpoints.hit("prefill.handoff", rid)
                 report = self._ship(rid, request.ticket, out.page_ids or [],
                                     request.destination, cancelled)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
