@@ -1,6 +1,7 @@
 """`python -m pdserve.router.main`: the router process (no torch: tokenization only).
 
-Loads the model directory's tokenizer, starts checking the workers, and serves
+Makes torch unimportable here, loads the model directory's tokenizer (transformers'
+AutoTokenizer), starts checking the workers, and serves
 `pdserve.v1.Router` until SIGTERM/SIGINT. SERVING once at least one prefill and one decode
 worker are healthy.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
-from pdserve.common.metrics import serve_metrics
+from pdserve.common.metrics import DISABLED, serve_metrics
 from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.common.security import (
     ApiKeyInterceptor,
@@ -26,10 +27,11 @@ from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.discovery import Discovery
+from pdserve.router.http_server import HttpFrontDoor
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
-from pdserve.router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer, hide_torch
 from pdserve.v1 import router_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
@@ -57,6 +59,7 @@ def model_dir(ref: ModelRef) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the router; returns the process exit status."""
+    hide_torch()  # transformers then loads only the tokenizer (see router/tokenizer.py)
     cfg = parse_config(RouterConfig, SERVICE, argv, prog="pdserve router")
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     try:
@@ -71,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, directory,
              tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
     try:
-        interceptors = [ApiKeyInterceptor(ApiKeys.from_file(cfg.api_key_file))
-                        ] if cfg.api_key_file else []
+        api_keys = ApiKeys.from_file(cfg.api_key_file) if cfg.api_key_file else None
     except (OSError, ValueError) as exc:
         log.error("--api-key-file: %s", exc)
         return 1
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys is not None else []
     pool = WorkerPool(interval_s=cfg.health_interval_s,
                       security=ChannelSecurity.from_options(cfg))
     discovery = Discovery(pool, cfg.targets("prefill"), cfg.targets("decode"),
@@ -89,16 +92,27 @@ def main(argv: list[str] | None = None) -> int:
                             service=SERVICE)
     discovery.start()
     pool.start()
+    http: HttpFrontDoor | None = None
     try:
+        if cfg.http_port != DISABLED:
+            http = HttpFrontDoor.start(cfg, lifecycle, ready=pool.ready, api_keys=api_keys)
+
+        def drain() -> None:
+            lifecycle.stop_admitting()
+            if http is not None:
+                http.drain()
+
         return serve(SERVICE, cfg.port,
                      lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
-                     on_drain=lifecycle.stop_admitting, max_workers=cfg.max_streams + 8,
+                     on_drain=drain, max_workers=cfg.max_streams + 8,
                      credentials=server_credentials(cfg), interceptors=interceptors)
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1
     finally:
+        if http is not None:
+            http.stop()
         discovery.close()
         pool.close()
         shutdown_tracing()
