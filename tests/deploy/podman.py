@@ -151,6 +151,8 @@ class Stack:
         assert grpc is not None and metrics is not None, f"{pod.name}/{c.name} ports"
         env[prefix + "PORT"] = str(pod.ports[grpc])
         env[prefix + "METRICS_PORT"] = str(pod.ports[metrics])
+        if c.port("http") is not None:
+            env[prefix + "HTTP_PORT"] = str(pod.ports[c.port("http")])
         return env
 
     def create_volumes(self, pod: Pod) -> dict[str, str]:

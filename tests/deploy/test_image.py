@@ -1,7 +1,8 @@
 """The image serves: the cpu-demo pods, run as podman containers wired the way the manifests
-wire them (tests/deploy/podman.py), answer Generate through grpcurl with transformers' exact
-greedy tokens, hand the KV off between the pods' agents, serve metrics, drain on SIGTERM and
-exit 0; every container and volume is gone afterwards, also when the test fails."""
+wire them (tests/deploy/podman.py), answer Generate through grpcurl and completions through the
+OpenAI-compatible HTTP API with transformers' exact greedy tokens, hand the KV off between the
+pods' agents, serve metrics, drain on SIGTERM and exit 0; every container and volume is gone
+afterwards, also when the test fails."""
 
 from __future__ import annotations
 
@@ -140,6 +141,19 @@ def test_image_serves_the_cpu_demo_pods(stack, expected):
         assert int(timing["kv_bytes"]) > 0 and timing["kv_transport"] in ("ucx", "tcp"), timing
         assert timing["prefill_worker"] == stack.pods["prefill"].name, timing
         assert timing["decode_worker"] == stack.pods["decode"].name, timing
+
+    # The OpenAI-compatible HTTP API on the router's http port: the same tokens.
+    http = f"http://127.0.0.1:{stack.pods['router'].host_port('router', 'http')}"
+    with urllib.request.urlopen(f"{http}/v1/models", timeout=30) as reply:
+        (model,) = [m["id"] for m in json.load(reply)["data"]]
+    for prompt in SMOKE_PROMPTS[:2]:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}
+        request = urllib.request.Request(f"{http}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            (choice,) = json.load(reply)["choices"]
+        assert choice["token_ids"] == expected[prompt], f"HTTP tokens differ for {prompt!r}"
 
     # Prometheus scrapes the port the pod's annotations name.
     pod = stack.pods["decode"]

@@ -154,6 +154,10 @@ def test_every_service_has_deployment_service_probes_and_pdb(rendered):
                 ports = {p["port"]: p for p in service["spec"]["ports"]}
                 assert cfg.port in ports and ports[cfg.port]["targetPort"] == "grpc", \
                     f"{where}: Service {service['metadata']['name']} does not expose {cfg.port}"
+                if command == "router":  # the OpenAI-compatible HTTP API
+                    assert c.port("http") == cfg.http_port, f"{where}: http containerPort"
+                    assert ports.get(cfg.http_port, {}).get("targetPort") == "http", \
+                        f"{where}: Service {service['metadata']['name']} has no HTTP port"
                 if command in ("prefill", "decode"):
                     assert service["spec"].get("clusterIP") == "None", \
                         f"{where}: a worker pool's Service must be headless (one record a pod)"
