@@ -180,3 +180,15 @@ def test_pods_run_as_the_images_user(rendered):
             assert context["runAsNonRoot"] is True, f"{overlay}: {name}"
             assert (str(context["runAsUser"]), str(context["runAsGroup"])) == user, \
                 f"{overlay}: {name} runs as {context['runAsUser']}, the image's user is {user}"
+
+
+def test_tls_is_on_for_every_service_or_for_none(rendered):
+    for overlay, objects in rendered.items():
+        on = {f"{c.deployment}/{c.name}": effective_config(c).tls
+              for c in by_command_all(objects)}
+        assert len(set(on.values())) == 1, f"{overlay}: TLS on only for some services: {on}"
+    assert all(effective_config(c).tls for c in by_command_all(rendered["tls"]))
+
+
+def by_command_all(objects: list[dict[str, Any]]) -> list[Any]:
+    return [c for containers in by_command(objects).values() for c in containers]
