@@ -24,6 +24,8 @@ class WorkerConfig(ServerConfig):
     max_num_seqs: int = option(256, "sequences in one decode batch")
     max_prefill_tokens: int = option(2048, "prompt tokens of all sequences in one prefill step")
     kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent")
+    kv_agent_socket: str = option("", "the agent's local socket (its --local-socket: a path, "
+                                      "or @NAME); default: the one the agent advertises")
     worker_id: str = option("", "name in stats, traces and logs (default: role@host:port)")
     advertise_host: str = option("127.0.0.1", "host name peers use to reach this worker")
     threads: int = option(0, "torch threads (0: this process's CPU allowance, i.e. its cores "
