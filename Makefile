@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # CPU wheel of torch; GPU users install their own torch build before `pip install -e .`.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint bench soak venv clean
 
 venv: $(VENV)/.installed
 
@@ -32,6 +32,12 @@ lint: venv
 	@mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/pdserve
 	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p pdserve.,$(TYPED)) \
 	    -m pdserve.up -m pdserve.cli -m pdserve.client -m pdserve.certs
+
+# On demand (not in `make test`): 80% of measured capacity for SOAK_MINUTES, RSS of every
+# process and free pages of every worker sampled; fails unless they stay flat (docs/faults.md).
+SOAK_MINUTES ?= 30
+soak: venv
+	$(BIN)/python tools/soak.py --minutes $(SOAK_MINUTES) --json soak.json.out
 
 bench: venv
 	$(BIN)/pdserve bench engine --model tiny
