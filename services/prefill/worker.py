@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.common import failpoints
 from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
@@ -68,6 +69,7 @@ class PrefillWorker:
             raise Unavailable(f"prefill worker {self.worker_id} is draining")
         rid = request.request_id
         received = time.perf_counter()
+        failpoints.hit("prefill.queued", rid)
         shipment = self._shipment(rid, request.ticket, request.destination, cancelled)
         try:
             _, outputs = self.loop.start_sequence(
@@ -84,6 +86,7 @@ class PrefillWorker:
             queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
             report = TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
+                failpoints.hit("prefill.handoff", rid)
                 report = self._finish(rid, shipment, out)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
                                  report)
