@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +30,8 @@ from pdserve.common.handoff import (
 )
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.shm import SharedSegment
+from pdserve.kvtransfer.baselines import RawTcp
+from pdserve.kvtransfer.netns import Link, in_ns
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 
@@ -132,3 +134,58 @@ class Worker:
 def _check(reply: dict[str, object]) -> None:
     if reply.get("error"):
         raise RuntimeError(f"{reply['error']}: {reply.get('message')}")
+
+
+class Placement:
+    """Where the bench's two agents and the raw TCP receiver run: all on this host."""
+
+    note = "two agents on this host, raw TCP over loopback"
+
+    def sender(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
+        return agent(flags)
+
+    def receiver(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
+        return agent(flags)
+
+    def raw_tcp(self, nbytes: int) -> RawTcp:
+        return RawTcp(nbytes)
+
+
+class NetnsPlacement(Placement):
+    """This process and the sending agent in network namespace a, the receiving agent and the
+    raw TCP receiver in b: every byte crosses the veth between them (UCX over TCP on it)."""
+
+    def __init__(self, link: Link, socket_dir: str):
+        self.link = link
+        self.note = (f"two network namespaces joined by a veth ({link.ip_a} -> {link.ip_b}), "
+                     "the same-host copy off, raw TCP over the same link")
+        self._dir = socket_dir
+        self._count = 0
+
+    def _socket(self) -> str:
+        self._count += 1
+        return os.path.join(self._dir, f"agent-{self._count}.sock")
+
+    def sender(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
+        link = self.link
+        return agent([*flags, "--advertise-host", link.ip_a], host=link.ip_a,
+                     local_socket=self._socket(),
+                     env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.dev_a})
+
+    def receiver(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
+        link = self.link
+        return agent([*flags, "--advertise-host", link.ip_b], prefix=in_ns(link.ns_b),
+                     host=link.ip_b, local_socket=self._socket(),
+                     env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.dev_b})
+
+    def raw_tcp(self, nbytes: int) -> RawTcp:
+        link = self.link
+        proc = subprocess.Popen(in_ns(link.ns_b, sys.executable, "-m",
+                                      "pdserve.kvtransfer.baselines", link.ip_b, str(nbytes)),
+                                stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline() or 0)
+        if not port:
+            proc.kill()
+            raise RuntimeError("the raw TCP receiver in the other namespace did not start")
+        return RawTcp(nbytes, link.ip_b, port, receiver=proc)
