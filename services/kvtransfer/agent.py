@@ -186,16 +186,17 @@ class Agent:
                    dest: Destination, timeout_ms: float) -> TransferReport:
         """Copy the pages to the destination; returns once they are resident there."""
         try:
-            report = self._send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
+            report, peer = self._send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
         except Exception as exc:
             self.metrics.failed(cause(exc), "send")
             raise
         self.metrics.sent(report.transport, report.kv_bytes, report.kv_pages,
-                          report.handoff_ms / 1e3)
+                          report.handoff_ms / 1e3, peer)
         return report
 
     def _send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],
-                    dest: Destination, timeout_ms: float) -> TransferReport:
+                    dest: Destination, timeout_ms: float) -> tuple[TransferReport, str]:
+        """The report, and the destination agent's id."""
         started = time.perf_counter()
         if timeout_ms < 0:
             raise BadRequest(f"timeout_ms must be >= 0 (0 = default), got {timeout_ms:g}")
@@ -216,20 +217,20 @@ class Agent:
             xfer_id=secrets.randbits(36), ticket=key, dst_agent_epoch=dest.agent_epoch,
             dst_pool_id=dest.pool_id, fingerprint=pool.fingerprint, page_bytes=pool.page_bytes,
             dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3,
-            traceparent=tracing.traceparent())
+            traceparent=tracing.traceparent(), sender=self.agent_id)
         views = [pool.pages(r.src_start, r.num_pages) for r in runs]
         if dest.agent_epoch == self.epoch:
             self._copy_local(header, views)
-            transport = "local"
+            transport, peer = "local", self.agent_id
         else:
-            self._send_remote(dest, header, views, time.monotonic() + timeout_s)
+            peer = self._send_remote(dest, header, views, time.monotonic() + timeout_s)
             transport = self.transport.name
         report = TransferReport((time.perf_counter() - started) * 1e3, header.kv_bytes,
                                 len(src_page_ids), transport, len(runs))
         outcome(log, "handoff", level=logging.DEBUG, request_id=key.request_id,
                 handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes, runs=report.num_runs,
                 transport=transport)
-        return report
+        return report, peer
 
     def _copy_local(self, header: WriteHeader, views: list[np.ndarray]) -> None:
         write = self.accept(header)
@@ -242,7 +243,8 @@ class Agent:
             self._finish(write, ok, "local")
 
     def _send_remote(self, dest: Destination, header: WriteHeader, views: list[np.ndarray],
-                     deadline: float) -> None:
+                     deadline: float) -> str:
+        """Push the handoff to the destination's agent; returns that agent's id."""
         for attempt in range(2):
             peer = self.peers.lookup(dest.agent_address, dest.agent_epoch)
             if peer.transport != self.transport.name:
@@ -256,7 +258,7 @@ class Agent:
                 self.transport.send(peer.contact, header, views,
                                     max(0.001, deadline - time.monotonic()),
                                     liveness=self._liveness(dest))
-                return
+                return peer.agent_id
             except (PeerUnavailable, StaleEpoch) as exc:
                 self.peers.forget(dest.agent_address)
                 self.transport.forget(peer.contact)
@@ -265,6 +267,7 @@ class Agent:
                     raise
                 log.info("handoff to %s: %s; asking the agent again", dest.agent_address, exc)
                 header = replace(header, xfer_id=secrets.randbits(36))
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _liveness(self, dest: Destination) -> Callable[[], None]:
         """Raise StaleEpoch at once if the destination restarted, PeerUnavailable once its
@@ -321,7 +324,8 @@ class Agent:
             self.metrics.failed(cause(exc), "receive")
             raise
         if ok:
-            self.metrics.received(transport, kv_bytes, sum(n for _, n in write.header.dst_runs))
+            self.metrics.received(transport, kv_bytes, sum(n for _, n in write.header.dst_runs),
+                                  write.header.sender)
         else:
             self.metrics.failed("incomplete", "receive")
 
