@@ -7,7 +7,8 @@
 or, when nothing needs the handle, `return serve(...)` with the same arguments.
 
 What it does for every service: a thread-pool grpc.Server with the servicers, grpc.health.v1
-(overall "" and one entry per registered service) and server reflection; health starts
+(overall "" and one entry per registered service, plus `pdserve.liveness` for liveness
+probes: SERVING from the start until draining) and server reflection; health starts
 NOT_SERVING and follows `ready()` (or turns SERVING at once without it); on SIGTERM/SIGINT
 health turns NOT_SERVING for good, `on_drain()` runs (stop admitting new work), in-flight calls
 get up to `grace_s` to finish, then the server stops and `wait()` returns 0.
@@ -40,6 +41,10 @@ log = logging.getLogger("pdserve.server")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READY_POLL_S = 0.2
+# A health entry that is SERVING while the process serves at all, whatever its readiness (the
+# router's depends on its workers'): what a liveness probe should ask, so a service waiting
+# for others is not restarted. NOT_SERVING only once draining.
+LIVENESS_SERVICE = "pdserve.liveness"
 
 # Peers (the router, agents) send keepalive pings on long streams; accept them.
 SERVER_OPTIONS = (
@@ -270,6 +275,7 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", *registrar.names):
         health_servicer.set(service, _NOT_SERVING)
+    health_servicer.set(LIVENESS_SERVICE, _SERVING)
     reflection.enable_server_reflection(
         (*registrar.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"

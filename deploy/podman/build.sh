@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build the pdserve image with podman on a machine that reaches PyPI and Debian's mirror but no
+# container registry (this project's machines and CI): the base is made with debootstrap
+# (base.sh), torch is the CPU wheel from a local folder, pip trusts the host's CA certificates.
+#
+#   deploy/podman/build.sh [TAG]          # default localhost/pdserve:dev
+#
+# Environment: PDSERVE_BASE_IMAGE (default localhost/debian:bookworm, made by base.sh when
+# missing), PDSERVE_WHEELS (folder holding the torch wheel; default /opt/wheels),
+# PDSERVE_TORCH_SPEC (default torch==2.13.0+cpu), PDSERVE_EXTRA_PACKAGES.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+tag=${1:-localhost/pdserve:dev}
+base=${PDSERVE_BASE_IMAGE:-localhost/debian:bookworm}
+wheels=${PDSERVE_WHEELS:-/opt/wheels}
+
+[ "$base" != localhost/debian:bookworm ] || deploy/podman/base.sh "$base"
+# These machines refuse the default rlimits podman asks for; runc instead of crun.
+limits=(--runtime runc --ulimit nofile=1024:4096 --ulimit nproc=1024:2048)
+podman build "${limits[@]}" -f deploy/Containerfile -t "$tag" \
+    --build-arg BASE_IMAGE="$base" \
+    --build-arg TORCH_SPEC="${PDSERVE_TORCH_SPEC:-torch==2.13.0+cpu}" \
+    --build-arg TORCH_INDEX_URL= \
+    --build-arg TORCH_FIND_LINKS=/wheels \
+    --build-arg EXTRA_PACKAGES="${PDSERVE_EXTRA_PACKAGES:-}" \
+    --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    -v /etc/ssl/certs:/etc/ssl/certs:ro \
+    -v "$wheels":/wheels:ro \
+    --layers --force-rm .
+podman image prune -f >/dev/null  # the build stage's layers are not kept

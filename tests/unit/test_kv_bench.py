@@ -1,0 +1,55 @@
+"""`pdserve bench kv`'s verdicts: a transport that beats a bound is reported loudly (the
+bound is wrong), and each target is printed with its ratio; the raw TCP bound runs every
+variant, each handoff acknowledged by the receiving process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pdserve.kvtransfer.baselines import VARIANTS, BoundSamples, RawTcp
+from pdserve.kvtransfer.bench import MIB, Row, bound_checks, report, targets
+
+pytestmark = pytest.mark.unit
+
+
+def row(transport: str, gb_s: float, *, raw: float = 2.0, memcpy: float = 10.0,
+        tokens: int = 1024, pages: int = 64, kv_bytes: int = 24 * MIB) -> Row:
+    bound = "raw TCP" if transport == "tcp" else "memcpy"
+    return Row(transport, tokens, pages, kv_bytes, 1, kv_bytes / gb_s / 1e6, 1.0, gb_s, raw,
+               "auto/all", memcpy, gb_s / raw, gb_s / memcpy, bound,
+               gb_s / (raw if bound == "raw TCP" else memcpy), gb_s, raw, memcpy)
+
+
+def test_a_transport_faster_than_its_bound_is_reported_loudly() -> None:
+    lines = bound_checks([row("tcp", 3.0, raw=2.0), row("ucx", 4.0, raw=2.0)])
+    assert len(lines) == 1  # ucx is held to memcpy only: faster than raw TCP is fine
+    assert "BOUND VIOLATED" in lines[0] and "tcp" in lines[0] and "raw TCP" in lines[0]
+    lines = bound_checks([row("shm", 12.0, memcpy=10.0)])
+    assert "BOUND VIOLATED" in lines[0] and "memcpy" in lines[0]
+    assert "bounds hold" in bound_checks([row("tcp", 2.05, raw=2.0)])[0]  # within the noise
+
+
+def test_targets_name_the_ratio_and_the_verdict() -> None:
+    lines = targets([row("ucx", 3.0), row("shm", 9.0), row("shm", 5.0, kv_bytes=MIB,
+                                                                    pages=1)])
+    assert lines[0] == "target one host >= 16 MiB: shm >= 0.80x memcpy at 1024 tokens: 0.90x ok"
+    assert any("one-page handoff" in line for line in lines)
+    assert "BELOW" in targets([row("shm", 7.0)])[0]
+    table = report([row("tcp", 1.0)])
+    assert "vs memcpy" in table and "bounds hold" in table
+
+
+def test_raw_tcp_baseline_moves_the_bytes() -> None:
+    nbytes = 3 * MIB + 5
+    src = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    raw = RawTcp(nbytes)
+    try:
+        samples = BoundSamples.empty()
+        for _ in range(3):
+            samples.measure(raw, src, np.zeros(nbytes, dtype=np.uint8))
+        median, variant, fastest = samples.raw_tcp(nbytes)
+        assert variant in {v.name for v in VARIANTS}
+        assert 0 < median <= fastest
+        assert all(len(times) == 3 for times in samples.raw_ms.values())
+    finally:
+        raw.close()
