@@ -45,6 +45,8 @@ class UpConfig:
     transport: str = option("ucx", "KV transport between the agents", choices=("ucx", "tcp"))
     colocated: bool = option(False, "one co-located engine instead of prefill + decode workers")
     port: int = option(50051, "router port")
+    http_port: int = option(8000, "router's OpenAI-compatible HTTP port (0 = any free port, "
+                                  "-1 = off)")
     prefill_port: int = option(50061, "first prefill worker's port (the next ones count up)")
     decode_port: int = option(50071, "first decode worker's port")
     agent_port: int = option(50081, "first kvtransfer agent's port")
@@ -79,6 +81,8 @@ class UpConfig:
         require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
         require(self.decode >= 1, "decode", self.decode, ">= 1")
         require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
+        require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
+                "0..65535, or -1 (off)")
         require(-1 <= self.metrics_port <= 65535 - 50, "metrics_port", self.metrics_port,
                 "0..65485, or -1 (off)")
         require(not self.otlp_endpoint or bool(OTLP_ENDPOINT.fullmatch(self.otlp_endpoint)),
@@ -199,7 +203,8 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
                                                      addr.rsplit(":", 1)[1], "--kv-agent", agent_a,
                                                      *worker_common]))
     procs.append(Proc("router", f"127.0.0.1:{cfg.port}", [
-        *py, "pdserve.router.main", "--port", str(cfg.port), "--model", str(model_dir),
+        *py, "pdserve.router.main", "--port", str(cfg.port), "--http-port", str(cfg.http_port),
+        "--model", str(model_dir),
         "--model-name", model_name, "--prefill", ",".join(prefill_addrs),
         "--decode", ",".join(dict.fromkeys(decode_addrs))]))
     return procs
@@ -297,6 +302,7 @@ def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:
     pinned = [f"    {p.name:<12} cores {format_cpu_list(p.cpus)}" for p in procs if p.cpus]
     return "\n".join([
         f"pdserve is up. Router: {router}",
+        *_http_lines(router, cfg),
         *(["  CPU partition (--no-cpu-partition to turn off):", *pinned] if pinned else []),
         *(["  Prometheus metrics:", *metrics] if metrics else []),
         *([f"  export PDSERVE_API_KEY=<a key from {cfg.api_key_file}>"]
@@ -306,6 +312,24 @@ def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:
         "'def fibonacci(n):'",
         "Ctrl-C stops every process.",
     ])
+
+
+def _http_lines(router: str, cfg: UpConfig) -> list[str]:
+    """The OpenAI-compatible API's address and a curl call (none with --http-port -1)."""
+    if cfg.http_port == -1:
+        return []
+    host = router.rsplit(":", 1)[0]
+    scheme, flags = ("https", f" --cacert {shlex.quote(str(CertPaths(Path(cfg.tls)).ca))}"
+                     ) if cfg.tls else ("http", "")
+    if cfg.http_port == 0:
+        return [f"  OpenAI-compatible API: {scheme}://{host}:<free port: see the router's log>/v1"]
+    url = f"{scheme}://{host}:{cfg.http_port}/v1"
+    if cfg.api_key_file:
+        flags += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
+    body = '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+    return [f"  OpenAI-compatible API: {url}",
+            f"  curl{flags} {url}/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}"]
 
 
 def demo_security(cfg: UpConfig) -> list[str]:

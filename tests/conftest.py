@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Every router a test starts serves its HTTP API on a free port unless the test names one
+# (the default, 8000, would collide between tests and stacks running at once).
+for _var in ("PDSERVE_ROUTER_HTTP_PORT", "PDSERVE_UP_HTTP_PORT"):
+    os.environ.setdefault(_var, "0")
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

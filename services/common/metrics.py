@@ -60,14 +60,14 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Generate requests by outcome "
-                                "(ok, error, cancelled) and gRPC status code; once each",
-                                ("outcome", "code"), registry=r)
+                                "(ok, error, cancelled), gRPC status code and API (grpc, "
+                                "http); once each", ("outcome", "code", "api"), registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Generate requests being served",
                                registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "request received -> stream ended",
-                             ("outcome",), buckets=LATENCY_BUCKETS, registry=r)
+                             ("outcome", "api"), buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "request received -> first token sent",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ("api",), buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("pdserve_queue_seconds", "request received -> prefill compute "
                                "started (TTFT component)", buckets=LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("pdserve_prefill_seconds", "prefill compute, first layer to "
@@ -96,9 +96,10 @@ class RouterMetrics:
         self.in_flight.inc()
 
     def first_token(self, queue_ms: float, prefill_ms: float, kv_transfer_ms: float,
-                    ttft_ms: float, kv_bytes: int, transport: str, attempts: int) -> None:
+                    ttft_ms: float, kv_bytes: int, transport: str, attempts: int,
+                    api: str = "grpc") -> None:
         """The first token went out: TTFT and its components (decode_start comes apart)."""
-        self.ttft.observe(ttft_ms / 1e3)
+        self.ttft.labels(api).observe(ttft_ms / 1e3)
         self.queue.observe(queue_ms / 1e3)
         self.prefill.observe(prefill_ms / 1e3)
         if transport:  # no handoff when the request ended at its first token
@@ -107,17 +108,21 @@ class RouterMetrics:
         self.retries.inc(max(0, attempts - 1))
 
     def finished(self, code: str, e2e_s: float, prompt_tokens: int, completion_tokens: int,
-                 tpot_ms: float) -> None:
+                 tpot_ms: float, api: str = "grpc") -> None:
         """The request ended (once per request, whatever the outcome); `tpot_ms` 0 when it
         had fewer than two tokens."""
         outcome = outcome_of(code)
-        self.requests.labels(outcome, code).inc()
-        self.e2e.labels(outcome).observe(e2e_s)
+        self.requests.labels(outcome, code, api).inc()
+        self.e2e.labels(outcome, api).observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
         if tpot_ms > 0:
             self.tpot.observe(tpot_ms / 1e3)
         self.in_flight.dec()
+
+    def refused(self, code: str, api: str) -> None:
+        """A request its front door refused before the lifecycle saw it (a malformed body)."""
+        self.requests.labels(outcome_of(code), code, api).inc()
 
     def watch_pool(self, counts: Callable[[], Mapping[str, WorkerCounts]],
                    discovery_failures: Callable[[], int] = lambda: 0) -> None:

@@ -284,12 +284,19 @@ def context_from_traceparent(value: str) -> otel_context.Context | None:
     return _PROPAGATOR.extract({"traceparent": value})
 
 
-def _caller_context(servicer_context: grpc.ServicerContext) -> contextvars.Context:
-    carrier = {key: value for key, value in (servicer_context.invocation_metadata() or ())
-               if key in _HEADERS}
+def caller_context(headers: Mapping[str, str]) -> contextvars.Context:
+    """A copy of the current context with the caller's trace (its `traceparent` /
+    `tracestate` in `headers`, lower-case names) attached: run a request's work in it."""
     ctx = contextvars.copy_context()
-    ctx.run(otel_context.attach, _PROPAGATOR.extract(carrier))
+    if _tracer is not None:
+        carrier = {key: headers[key] for key in _HEADERS if key in headers}
+        ctx.run(otel_context.attach, _PROPAGATOR.extract(carrier))
     return ctx
+
+
+def _caller_context(servicer_context: grpc.ServicerContext) -> contextvars.Context:
+    return caller_context({key: value for key, value in
+                           (servicer_context.invocation_metadata() or ()) if key in _HEADERS})
 
 
 def traced_call(servicer_context: grpc.ServicerContext, fn: Callable[..., T], *args: Any) -> T:

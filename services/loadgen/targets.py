@@ -133,7 +133,8 @@ class OpenAITarget(Target):
         clock = _Clock(record)
         body = json.dumps({"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens,
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}})
+                           "stream_options": {"include_usage": True},
+                           "return_token_ids": True})  # pdserve, vLLM: tokens per chunk
         conn = self._connection(timeout_s)
         try:
             conn.request("POST", f"{self._prefix}/completions", body=body,
@@ -165,8 +166,11 @@ class OpenAITarget(Target):
             if chunk.get("error"):
                 record.error = f"stream error: {chunk['error']}"
                 return
-            text = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
-            if text:
+            choices = chunk.get("choices") or []
+            ids = [len(c["token_ids"]) for c in choices if isinstance(c.get("token_ids"), list)]
+            if ids:  # the server says which tokens a chunk carries (even with no text yet)
+                clock.tokens(sum(ids))
+            elif "".join(c.get("text") or "" for c in choices):
                 clock.tokens(1)  # a chunk with text: one arrival (counted again from usage)
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")

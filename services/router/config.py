@@ -17,6 +17,9 @@ class RouterConfig(ServerConfig):
 
     port: int = option(50051, "gRPC port")
     metrics_port: int = option(9051, METRICS_PORT_HELP)
+    http_port: int = option(8000, "OpenAI-compatible HTTP API port (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health; 0 = any free "
+                                   "port, -1 = off); HTTPS with --tls-cert")
     prefill: tuple[str, ...] = option((), "prefill workers, comma-separated host:port and "
                                           "dns:///NAME:PORT (every address record of NAME is "
                                           "a worker)")
@@ -32,7 +35,7 @@ class RouterConfig(ServerConfig):
     prefill_timeout_s: float = option(120.0, "deadline of one Prefill call (s)")
     reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")
     health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
-    max_streams: int = option(256, "Generate streams served at once (server threads)")
+    max_streams: int = option(256, "Generate streams served at once (server threads), per API")
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
                                           "without a certificate from that CA")
     api_key_file: str = option("", "file of accepted API keys, one a line: every call but "
@@ -52,6 +55,8 @@ class RouterConfig(ServerConfig):
         require(self.model is None or bool(self.model), "model", self.model, "a directory")
         require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
                 self.api_key_file, "a readable file of API keys")
+        require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
+                "0..65535, or -1 (off)")
         require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s",

@@ -112,13 +112,18 @@ class Lifecycle:
         """Refuse new requests (UNAVAILABLE); those in flight continue."""
         self._draining = True
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def generate(self, request: GenerateInput, scope: CallScope,
-                 received: float | None = None) -> Iterator[StreamEvent]:
+                 received: float | None = None, *, api: str = "grpc"
+                 ) -> Iterator[StreamEvent]:
         """The event stream of one request. Raises `ServiceError` for a failed request; ends
-        quietly when the client cancelled."""
+        quietly when the client cancelled. `api` names the front door in metrics and logs."""
         received = self._clock() if received is None else received
         span = tracing.start_span("router.generate", kind=tracing.SERVER, model=self.model_name)
-        record = RequestRecord(request_id=request.request_id or "-",
+        record = RequestRecord(request_id=request.request_id or "-", api=api,
                                trace_id=tracing.log_fields(span).get("trace_id", ""))
         self.metrics.started()
         try:
@@ -160,7 +165,7 @@ class Lifecycle:
             level = logging.INFO if record.status in ("OK", "CANCELLED") else logging.WARNING
             outcome(log, "generate", level=level, **fields)
             self.metrics.finished(record.status, record.e2e_ms / 1e3, record.prompt_tokens,
-                                  record.completion_tokens, record.tpot_ms)
+                                  record.completion_tokens, record.tpot_ms, record.api)
 
     def _stream(self, gen: Generation, started: Started, completion: Completion,
                 scope: CallScope, received: float, record: RequestRecord,
@@ -263,7 +268,7 @@ class Lifecycle:
         record.kv_bytes = timing.kv_bytes
         self.metrics.first_token(timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms,
                                  timing.ttft_ms, timing.kv_bytes, timing.kv_transport,
-                                 timing.attempts)
+                                 timing.attempts, record.api)
         return timing
 
 

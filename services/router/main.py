@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
-from pdserve.common.metrics import serve_metrics
+from pdserve.common.metrics import DISABLED, serve_metrics
 from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.common.security import (
     ApiKeyInterceptor,
@@ -26,6 +26,7 @@ from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.discovery import Discovery
+from pdserve.router.http_server import HttpFrontDoor
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
@@ -71,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, directory,
              tokenizer.vocab_size, tokenizer.max_context, sorted(tokenizer.eos_token_ids))
     try:
-        interceptors = [ApiKeyInterceptor(ApiKeys.from_file(cfg.api_key_file))
-                        ] if cfg.api_key_file else []
+        api_keys = ApiKeys.from_file(cfg.api_key_file) if cfg.api_key_file else None
     except (OSError, ValueError) as exc:
         log.error("--api-key-file: %s", exc)
         return 1
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys is not None else []
     pool = WorkerPool(interval_s=cfg.health_interval_s,
                       security=ChannelSecurity.from_options(cfg))
     discovery = Discovery(pool, cfg.targets("prefill"), cfg.targets("decode"),
@@ -89,16 +90,27 @@ def main(argv: list[str] | None = None) -> int:
                             service=SERVICE)
     discovery.start()
     pool.start()
+    http: HttpFrontDoor | None = None
     try:
+        if cfg.http_port != DISABLED:
+            http = HttpFrontDoor.start(cfg, lifecycle, ready=pool.ready, api_keys=api_keys)
+
+        def drain() -> None:
+            lifecycle.stop_admitting()
+            if http is not None:
+                http.drain()
+
         return serve(SERVICE, cfg.port,
                      lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
-                     on_drain=lifecycle.stop_admitting, max_workers=cfg.max_streams + 8,
+                     on_drain=drain, max_workers=cfg.max_streams + 8,
                      credentials=server_credentials(cfg), interceptors=interceptors)
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1
     finally:
+        if http is not None:
+            http.stop()
         discovery.close()
         pool.close()
         shutdown_tracing()

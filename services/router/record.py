@@ -11,6 +11,7 @@ from typing import Any
 @dataclass
 class RequestRecord:
     request_id: str = "-"
+    api: str = "grpc"  # the front door: grpc or http
     status: str = "OK"  # a gRPC status name
     error: str = ""
     trace_id: str = ""

@@ -49,6 +49,7 @@ class Stack:
     decode: list[str]
     proc: object
     metrics: dict[str, str] = dataclasses.field(default_factory=dict)  # process name -> URL
+    http: str = ""  # the router's OpenAI-compatible API, http://127.0.0.1:PORT/v1
 
     def scrape(self, name: str) -> str:
         """The Prometheus text of one process (`router`, `prefill-0`, `decode-0`,
@@ -81,7 +82,7 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
     while abs(metrics_base - base) < 45:  # the two blocks must not overlap
         metrics_base = _port_block(45)
     ports = dict(port=base, prefill_port=base + 10, decode_port=base + 20, agent_port=base + 30,
-                 colocated_port=base + 35, metrics_port=metrics_base)
+                 colocated_port=base + 35, http_port=base + 38, metrics_port=metrics_base)
     argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
                         "--kv-cache-mb", "32", *args,
                         *(x for k, v in ports.items()
@@ -94,13 +95,15 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
         "kvtransfer-a", "kvtransfer-b"])]
     metrics = {name: f"http://127.0.0.1:{metrics_base + metrics_offset(name)}/metrics"
                for name in names}
+    http = f"http{'s' if '--tls' in args else ''}://127.0.0.1:{base + 38}/v1"
     with running(argv, router, env=env, timeout_s=240, security=security) as proc:
         if colocated:
             workers = [f"127.0.0.1:{ports['colocated_port']}"]
-            yield Stack(router, workers, workers, proc, metrics)
+            yield Stack(router, workers, workers, proc, metrics, http)
         else:
             yield Stack(router, [f"127.0.0.1:{base + 10 + i}" for i in range(prefill)],
-                        [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics)
+                        [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics,
+                        http)
 
 
 def collect(

@@ -110,3 +110,28 @@ def test_no_forbidden_third_party_module_is_loaded(package: str) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "", f"pdserve.{package} loads {done.stdout.strip()}"
+
+
+def all_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every absolute import in the file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def test_http_and_protobuf_stay_apart() -> None:
+    """The router's HTTP front door never touches protobuf (it talks to the lifecycle's plain
+    types), and the lifecycle never sees HTTP: both APIs share it, neither wraps the other."""
+    router = SERVICES_DIR / "router"
+    rules = [(sorted(router.glob("http_*.py")),
+              ("pdserve.v1", "google.protobuf", "pdserve.router.servicer", "grpc.")),
+             ([p for p in sorted(router.glob("*.py")) if not p.name.startswith("http_")
+               and p.name != "main.py"], ("starlette", "uvicorn", "pdserve.router.http_"))]
+    bad = [f"services/router/{path.name}:{line} imports {module}"
+           for paths, forbidden in rules for path in paths
+           for line, module in all_imports(path) if module.startswith(forbidden)]
+    assert rules[0][0] and bad == []

@@ -77,17 +77,19 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
         return after[name](metric, **labels) - before[name](metric, **labels)
 
     # router: each request counted once, by outcome and code; the TTFT breakdown per request
-    assert moved("router", "pdserve_requests_total", outcome="ok", code="OK") == N
+    assert moved("router", "pdserve_requests_total", outcome="ok", code="OK", api="grpc") == N
     assert moved("router", "pdserve_requests_total", outcome="error",
-                 code="INVALID_ARGUMENT") == 1
+                 code="INVALID_ARGUMENT", api="grpc") == 1
     assert after["router"]("pdserve_requests_in_flight") == 0
-    for metric in ("ttft", "queue", "prefill", "decode_start", "tpot"):
+    for metric in ("queue", "prefill", "decode_start", "tpot"):
         assert moved("router", f"pdserve_{metric}_seconds_count") == N, metric
+    assert moved("router", "pdserve_ttft_seconds_count", api="grpc") == N
     assert moved("router", "pdserve_kv_transfer_seconds_count", transport="tcp") == N
     ttft_s = sum(t.ttft_ms for t in timings) / 1e3
-    assert moved("router", "pdserve_ttft_seconds_sum") == pytest.approx(ttft_s, rel=1e-6)
-    assert moved("router", "pdserve_e2e_seconds_count", outcome="ok") == N
-    assert moved("router", "pdserve_e2e_seconds_count", outcome="error") == 1
+    assert moved("router", "pdserve_ttft_seconds_sum", api="grpc") == pytest.approx(ttft_s,
+                                                                                  rel=1e-6)
+    assert moved("router", "pdserve_e2e_seconds_count", outcome="ok", api="grpc") == N
+    assert moved("router", "pdserve_e2e_seconds_count", outcome="error", api="grpc") == 1
     assert N <= moved("router", "pdserve_itl_seconds_count") <= N * (MAX_TOKENS - 1)
     assert moved("router", "pdserve_itl_seconds_sum") > 0
     assert moved("router", "pdserve_kv_bytes_total", transport="tcp") == kv_bytes
@@ -134,15 +136,17 @@ def test_cancelled_stream_is_counted_once_and_frees_its_pages(stack):
 
     def counted() -> bool:
         now = Scrape(stack.scrape("router"))
+        cancelled = {"outcome": "cancelled", "code": "CANCELLED", "api": "grpc"}
         return now("pdserve_requests_in_flight") == 0 and now(
-            "pdserve_requests_total", outcome="cancelled", code="CANCELLED") > before["router"](
-            "pdserve_requests_total", outcome="cancelled", code="CANCELLED")
+            "pdserve_requests_total", **cancelled) > before["router"](
+            "pdserve_requests_total", **cancelled)
 
     assert wait_for(counted)
     assert wait_for(lambda: pages_all_free(stack, "decode-0"))
     after = scrape_all(stack)
     for outcome, code, n in (("cancelled", "CANCELLED", 1), ("ok", "OK", 0)):
-        assert (after["router"]("pdserve_requests_total", outcome=outcome, code=code)
-                - before["router"]("pdserve_requests_total", outcome=outcome, code=code)) == n
+        labels = {"outcome": outcome, "code": code, "api": "grpc"}
+        assert (after["router"]("pdserve_requests_total", **labels)
+                - before["router"]("pdserve_requests_total", **labels)) == n
     assert (after["decode-0"]("pdserve_sequences_finished_total", reason="abort")
             - before["decode-0"]("pdserve_sequences_finished_total", reason="abort")) == 1

@@ -9,9 +9,11 @@ attributes; a client's own traceparent must be continued.
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent import futures
 
@@ -191,6 +193,20 @@ def test_a_client_traceparent_is_continued(stack, receiver):
     assert _one(spans, "router.generate").parent_span_id == client_span
     assert {s.service for s in spans} >= {"pdserve-router", "pdserve-prefill", "pdserve-decode",
                                           "pdserve-kvtransfer"}
+
+
+def test_an_http_client_traceparent_is_continued(stack, receiver):
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    rid = "traced-http-" + secrets.token_hex(4)
+    request = urllib.request.Request(
+        f"{stack.http}/completions", data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
+        headers={"traceparent": f"00-{trace_id}-{client_span}-01", "X-Request-Id": rid})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert json.loads(reply.read())["id"] == f"cmpl-{rid}"
+    spans = _trace_of(receiver, rid)
+    assert {s.trace_id for s in spans} == {trace_id}
+    root = _one(spans, "router.generate")
+    assert root.parent_span_id == client_span and root.attributes["api"] == "http"
 
 
 def test_a_failed_request_records_its_status_code(stack, receiver):
