@@ -1,4 +1,5 @@
-"""`pdserve generate`: send one prompt to a router, stream the text, print the TTFT breakdown."""
+"""`pdserve generate`: send one prompt (or a chat: `--chat`, `--system`, `--message`) to a
+router, stream the text, print the TTFT breakdown."""
 
 from __future__ import annotations
 
@@ -14,9 +15,23 @@ from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 
+def chat_messages(args: argparse.Namespace) -> list[router_pb2.ChatMessage]:
+    """--system, --message ROLE TEXT..., then the prompt as the last user turn (with --chat,
+    or when any of the others is given); [] for a plain prompt."""
+    turns = [("system", args.system)] if args.system else []
+    turns += [(role, text) for role, text in args.message or []]
+    if not (args.chat or turns):
+        return []
+    if args.prompt:
+        turns.append(("user", args.prompt))
+    return [router_pb2.ChatMessage(role=role, content=text) for role, text in turns]
+
+
 def build_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
-    req = router_pb2.GenerateRequest(prompt=args.prompt, stop=args.stop or [],
-                                     ignore_eos=args.ignore_eos, request_id=args.request_id or "")
+    messages = chat_messages(args)
+    req = router_pb2.GenerateRequest(prompt="" if messages else args.prompt, messages=messages,
+                                     stop=args.stop or [], ignore_eos=args.ignore_eos,
+                                     request_id=args.request_id or "")
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         value = getattr(args, name)
         if value is not None:
@@ -75,7 +90,14 @@ def breakdown(t: router_pb2.Timing) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
-    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("prompt", nargs="?", default="",
+                        help="the prompt text (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a chat (a user message rendered with the "
+                             "model's chat template) instead of plain text")
+    parser.add_argument("--system", help="a system message before it (implies --chat)")
+    parser.add_argument("--message", nargs=2, action="append", metavar=("ROLE", "TEXT"),
+                        help="an earlier chat turn, in order (repeatable; implies --chat)")
     parser.add_argument(
         "--address",
         default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "localhost:50051"),
@@ -95,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_security_flags(parser)
     args = parser.parse_args(argv)
+    if not (args.prompt or args.message):
+        parser.error("a prompt (or --message turns) is required")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     for flag in ("tls_ca", "tls_cert", "tls_key"):

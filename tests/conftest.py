@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Every process a test starts serves the tiny built-in model unless the test names another
+# (--model): the default model, SmolLM2 converted from GGUF, is for users and for the one
+# real-model test, which asks for it.
+for _service in ("UP", "ROUTER", "PREFILL", "DECODE", "COLOCATED"):
+    os.environ.setdefault(f"PDSERVE_{_service}_MODEL", "tiny")
 # Every router a test starts serves its HTTP API on a free port unless the test names one
 # (the default, 8000, would collide between tests and stacks running at once).
 for _var in ("PDSERVE_ROUTER_HTTP_PORT", "PDSERVE_UP_HTTP_PORT"):
@@ -58,3 +63,13 @@ def reference(tiny_model_dir):
                           pad_token_id=tok.pad_token_id)
         out[prompt] = (len(ids), gen[0, len(ids):].tolist())
     return tok, out
+
+
+@pytest.fixture(scope="session")
+def model_kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{kind: model directory} for the tokenizer kinds of tests/model_kinds.py (random
+    weights, created once per session)."""
+    from tests.model_kinds import KINDS, make_model
+
+    root = tmp_path_factory.mktemp("kinds")
+    return {kind: make_model(root, kind) for kind in KINDS}

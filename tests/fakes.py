@@ -46,7 +46,8 @@ def make_model_dir(root: Path, *, max_context: int = 64, merges: bool = True) ->
         "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_context,
         "bos_token_id": 0, "eos_token_id": 1}))
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [1]}))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>"}))
     return root
 
 

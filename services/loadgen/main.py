@@ -24,9 +24,11 @@ from typing import Any
 from pdserve.client import add_security_flags, security_from_args
 from pdserve.loadgen import report
 from pdserve.loadgen.arrivals import Arrivals
+from pdserve.loadgen.cpu import pid_listening_on
+from pdserve.loadgen.interleave import measure
 from pdserve.loadgen.runner import Plan, run
 from pdserve.loadgen.stats import RequestRecord, Slo, max_rate_at, summarize
-from pdserve.loadgen.targets import make_target
+from pdserve.loadgen.targets import Target, make_target
 from pdserve.loadgen.workload import Vocabulary, parse_workload, shapes
 
 WORKLOAD_HELP = ("fixed:IN,OUT | uniform:IN_LO-IN_HI,OUT_LO-OUT_HI | chat[:IN_MEDIAN,OUT_MEDIAN] "
@@ -62,6 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop sending after this many seconds per run (default 600)")
     p.add_argument("--timeout", type=float, default=300.0, help="per request, s (default 300)")
     p.add_argument("--max-context", type=int, help="clip prompt + output to this many tokens")
+    p.add_argument("--interleave", type=int, default=1, metavar="ROUNDS",
+                   help="with --compare: split the requests into ROUNDS rounds that every target "
+                        "runs in turn, so drifting load on a shared machine weighs on all alike")
+    p.add_argument("--server-cpu", metavar="HOST:PORT",
+                   help="also report the CPU seconds (per output token) of the local process "
+                        "listening on HOST:PORT during each target's requests (from /proc)")
     p.add_argument("--json", type=Path, help="write every record and the summaries here")
     p.add_argument("--plots", type=Path,
                    help="PNG prefix for latency CDFs, TTFT breakdown, attainment vs rate")
@@ -90,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--num-requests={args.num_requests}: must be > 0")
         arrivals = Arrivals.parse(args.concurrency, args.rate if not rates else rates[0],
                                   args.burstiness)
+        if args.interleave < 1 or (args.interleave > 1 and (not args.compare or rates)):
+            raise ValueError(f"--interleave={args.interleave}: >= 1, and > 1 only with "
+                             "--compare (no --sweep)")
+        cpu_pid = pid_listening_on(args.server_cpu) if args.server_cpu else None
         vocab = vocabulary(args.model)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
@@ -99,35 +111,39 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout)
     runs: list[tuple[str, dict[str, Any], list[RequestRecord]]] = []
     sweeps: list[tuple[str, list[float], list[float]]] = []
-    for spec in args.target:
-        try:
-            target = make_target(spec, args.served_model, security_from_args(args), args.api_key)
-        except (ValueError, ConnectionError, OSError) as exc:
-            print(f"pdserve bench serve: target {spec}: {exc}", file=sys.stderr)
-            return 2
-        try:
-            if rates:
-                attainment = []
-                for rate in rates:
-                    arrivals = Arrivals(rate=rate, burstiness=args.burstiness)
-                    point = Plan(**{**plan.__dict__, "arrivals": arrivals})
-                    records, took = run(target, point, f"rate {rate:g}")
-                    summary = summarize(records, took, slo)
-                    attainment.append(float(summary["attainment"]))  # type: ignore[arg-type]
-                    runs.append((f"{target.name} @{rate:g}/s", summary, records))
-                best = max_rate_at(rates, attainment)
-                sweeps.append((target.name, rates, attainment))
-                print(f"{target.name}: highest rate with >= 90% SLO attainment ({slo}): "
-                      f"{'none measured' if best is None else f'{best:.2f} req/s'}")
-            else:
-                records, took = run(target, plan)
-                runs.append((target.name, summarize(records, took, slo), records))
-        finally:
+    targets: list[Target] = []
+    try:
+        for spec in args.target:
+            try:
+                targets.append(make_target(spec, args.served_model, security_from_args(args),
+                                           args.api_key))
+            except (ValueError, ConnectionError, OSError) as exc:
+                print(f"pdserve bench serve: target {spec}: {exc}", file=sys.stderr)
+                return 2
+        if not rates:
+            runs = measure(targets, plan, slo, args.interleave, cpu_pid)
+        for target in targets if rates else []:
+            attainment = []
+            for rate in rates:
+                arrivals = Arrivals(rate=rate, burstiness=args.burstiness)
+                point = Plan(**{**plan.__dict__, "arrivals": arrivals})
+                records, took = run(target, point, f"rate {rate:g}")
+                summary = summarize(records, took, slo)
+                attainment.append(float(summary["attainment"]))  # type: ignore[arg-type]
+                runs.append((f"{target.name} @{rate:g}/s", summary, records))
+            best = max_rate_at(rates, attainment)
+            sweeps.append((target.name, rates, attainment))
+            print(f"{target.name}: highest rate with >= 90% SLO attainment ({slo}): "
+                  f"{'none measured' if best is None else f'{best:.2f} req/s'}")
+    finally:
+        for target in targets:
             target.close()
     print()
     print(f"workload {args.workload}, {args.num_requests} requests, "
           f"{arrivals if not rates else 'sweep'}, "
-          f"seed {args.seed}")
+          f"seed {args.seed}"
+          + (f", interleaved in {args.interleave} rounds" if args.interleave > 1 else "")
+          + (f", server CPU of pid {cpu_pid} ({args.server_cpu})" if cpu_pid else ""))
     print(report.table([(name, summary) for name, summary, _ in runs]))
     meta = {"workload": args.workload, "num_requests": args.num_requests, "seed": args.seed,
             "arrivals": str(arrivals), "slo": str(slo) if slo else None, "sweep": rates,

@@ -37,6 +37,13 @@ def table(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
         for part in ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms"):
             row(f"{part.removesuffix('_ms')} p50 ms",
                 [_ms(s.get("components_ms", {}).get(part, {}).get("p50")) for _, s in results])
+    if any("ttft_ms" in s.get("components_ms", {}) for _, s in results):
+        row("ttft (server) p50 ms", [_ms(s.get("components_ms", {}).get("ttft_ms", {})
+                                         .get("p50")) for _, s in results])
+    for key, label in (("server_cpu_ms_per_token", "server CPU ms/token"),
+                       ("client_cpu_ms_per_token", "client CPU ms/token")):
+        if any(s.get(key) is not None for _, s in results):
+            row(label, ["-" if s.get(key) is None else f"{s[key]:,.3f}" for _, s in results])
     if any("goodput" in s for _, s in results):
         row("SLO attainment", [f"{s.get('attainment', 0):.1%}" for _, s in results])
         row("goodput req/s", [f"{s.get('goodput', 0):,.2f}" for _, s in results])
@@ -47,11 +54,22 @@ def table(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
         for key, label in (("output_throughput", "output tok/s"), ("goodput", "goodput")):
             if base.get(key):
                 row(f"  {label}", [f"{s.get(key, 0) / base[key]:.2f}x" for _, s in results])
-        for key, label in (("ttft_ms", "TTFT p99"), ("itl_ms", "ITL p99")):
-            b = base[key]["p99"]
+        for key, q, label in (("ttft_ms", "p50", "TTFT p50"), ("ttft_ms", "p99", "TTFT p99"),
+                              ("itl_ms", "p99", "ITL p99")):
+            b = base[key][q]
             if b:
-                row(f"  {label}", ["-" if s[key]["p99"] is None else f"{s[key]['p99'] / b:.2f}x"
+                row(f"  {label}", ["-" if s[key][q] is None else f"{s[key][q] / b:.2f}x"
                                    for _, s in results])
+        b = base["ttft_ms"]["p50"]
+        if b is not None:
+            row("  TTFT p50 difference ms", ["-" if s["ttft_ms"]["p50"] is None else
+                                             f"{s['ttft_ms']['p50'] - b:+.2f}"
+                                             for _, s in results])
+        b = base.get("server_cpu_ms_per_token")
+        if b:
+            row("  server CPU per token", [f"{s['server_cpu_ms_per_token'] / b:.2f}x"
+                                           if s.get("server_cpu_ms_per_token") else "-"
+                                           for _, s in results])
     return "\n".join(lines)
 
 

@@ -54,9 +54,10 @@ class Progress:
                 self._out.flush()
 
 
-def run(target: Target, plan: Plan, label: str = "bench serve"
+def run(target: Target, plan: Plan, label: str = "bench serve", progress: bool = True
         ) -> tuple[list[RequestRecord], float]:
-    """The measured requests' records and the measured wall time (s)."""
+    """The measured requests' records and the measured wall time (s); `progress`: a progress
+    line on stderr."""
     rng = random.Random(plan.seed)
     prompts = [plan.vocabulary.prompt(s.prompt_tokens, rng) for s in plan.shapes]
     for i in range(min(plan.warmup, len(prompts))):  # warm caches and connections, unrecorded
@@ -64,7 +65,7 @@ def run(target: Target, plan: Plan, label: str = "bench serve"
                     plan.shapes[i].output_tokens, plan.timeout_s)
     records = [RequestRecord(i, len(p), s.output_tokens)
                for i, (p, s) in enumerate(zip(prompts, plan.shapes))]
-    progress = Progress(f"{label} {target.name}", len(records))
+    shown = Progress(f"{label} {target.name}", len(records)) if progress else None
     deadline = time.monotonic() + plan.max_duration_s
     start = time.perf_counter()
 
@@ -75,7 +76,8 @@ def run(target: Target, plan: Plan, label: str = "bench serve"
         else:
             r.sent_at_s = time.perf_counter() - start
             target.send(r, prompts[i], plan.shapes[i].output_tokens, plan.timeout_s)
-        progress.tick(r.ok)
+        if shown is not None:
+            shown.tick(r.ok)
 
     if plan.arrivals.concurrency is not None:
         _closed_loop(one, len(records), plan.arrivals.concurrency)

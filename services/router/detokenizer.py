@@ -1,54 +1,88 @@
 """Streaming text out of streamed token ids: incremental detokenization and stop strings.
 
-`IncrementalDetokenizer` turns token ids into text deltas that are always whole characters:
-it decodes a short window of recent tokens and emits only the new, stable suffix (the method
-vLLM and Hugging Face's TextStreamer use), holding back while the window ends in an incomplete
-UTF-8 sequence. `StopMatcher` cuts the text at the first stop string, and holds back any tail
+`IncrementalDetokenizer` turns token ids into text deltas whose concatenation is exactly
+`decode(all ids, skip_special_tokens=True)`. It decodes a short window of recent tokens and
+emits only the new suffix (the method of vLLM and Hugging Face's TextStreamer), holding back
+while the window ends in an incomplete UTF-8 sequence (U+FFFD) or in a byte-fallback token
+(sentencepiece-style decoders turn a whole run of byte tokens, skipped special tokens
+between them ignored, into U+FFFDs when the run is not valid UTF-8, so a later byte can
+change earlier text), and while the window's older text changed. The
+window starts where earlier text was complete, so decoders that strip the first token's
+leading space see the same first token in both decodes. At the end one full decode settles
+what is left. `StopMatcher` cuts the text at the first stop string, and holds back any tail
 that could still become one. `OutputText` chains the two.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
-PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, for correct leading spaces
+
+log = logging.getLogger("pdserve.router")
 
 
 class Decoder(Protocol):
+    """What the detokenizer needs of a tokenizer (`router.tokenizer.Tokenizer`)."""
+
+    byte_token_ids: frozenset[int]     # byte-fallback tokens, grouped with their neighbours
+    special_token_ids: frozenset[int]  # skipped by decode(skip_special_tokens=True)
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
-    """Token ids in, UTF-8-safe text deltas out."""
+    """Token ids in, text deltas out; `flush` at the end. The deltas joined equal
+    `decoder.decode(ids, skip_special_tokens=True)`."""
 
-    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int] = ()):
+    def __init__(self, decoder: Decoder):
         self._decoder = decoder
-        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._prefix = 0               # window start: text before it was emitted
-        self._read = len(self._ids)    # text of ids[prefix:read] was emitted (or is prompt)
+        self._in_bytes = False          # the last token that has text is a byte token
+        self._ids: list[int] = []
+        self._prefix = 0                # window start: a point where the text was complete
+        self._read = 0                  # the text of ids[:read] was emitted
+        self._base = ""                 # decode(ids[prefix:read])
+        self._emitted: list[str] = []
 
     def _text(self, start: int, stop: int | None = None) -> str:
         return self._decoder.decode(self._ids[start:stop], skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
-        """Add one token; return the text it made stable ("" while a character is incomplete)."""
+        """Add one token; return the text it made stable ("" while held back)."""
         self._ids.append(token_id)
-        before = self._text(self._prefix, self._read)
-        after = self._text(self._prefix)
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+        if token_id in self._decoder.byte_token_ids:
+            self._in_bytes = True
+        elif token_id not in self._decoder.special_token_ids:
+            self._in_bytes = False
+        if self._in_bytes:  # the group's bytes, skipped tokens aside, are decoded together
             return ""
+        text = self._text(self._prefix)
+        if (len(text) <= len(self._base) or text.endswith(REPLACEMENT)
+                or not text.startswith(self._base)):
+            return ""
+        delta = text[len(self._base):]
         self._prefix, self._read = self._read, len(self._ids)
-        return after[len(before):]
+        self._base = self._text(self._prefix, self._read)
+        self._emitted.append(delta)
+        return delta
 
     def flush(self) -> str:
-        """Text still held at the end of the stream (may contain U+FFFD if the model stopped
-        inside a character)."""
-        before = self._text(self._prefix, self._read)
-        after = self._text(self._prefix)
+        """The text still held at the end of the stream: what one full decode has beyond the
+        text already emitted (may contain U+FFFD if the model stopped inside a character)."""
+        emitted = "".join(self._emitted)
+        full = self._text(0)
+        if full.startswith(emitted):
+            rest = full[len(emitted):]
+        else:  # not seen with the supported tokenizers; keep the stream going
+            log.warning("incremental detokenization diverged from a full decode after %d "
+                        "tokens", len(self._ids))
+            rest = self._text(self._prefix)[len(self._base):]
         self._prefix = self._read = len(self._ids)
-        return after[len(before):]
+        self._base = ""
+        self._emitted = [emitted + rest]
+        return rest
 
 
 class StopMatcher:
@@ -93,8 +127,8 @@ class StopMatcher:
 class OutputText:
     """Token ids in, the client's text deltas out: detokenize, then apply stop strings."""
 
-    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], stops: Sequence[str]):
-        self._detok = IncrementalDetokenizer(decoder, prompt_ids)
+    def __init__(self, decoder: Decoder, stops: Sequence[str]):
+        self._detok = IncrementalDetokenizer(decoder)
         self._stops = StopMatcher(stops)
 
     @property

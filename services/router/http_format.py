@@ -99,6 +99,7 @@ class Answer:
         self._texts: list[str] = []
         self._token_ids: list[int] = []
         self._first_chunk = True
+        self._frame: tuple[bytes, bytes] | None = None  # a delta chunk's bytes around its choice
 
     @property
     def id(self) -> str:
@@ -172,8 +173,30 @@ class Answer:
 
     def chunks(self, events: Iterable[StreamEvent]) -> Iterator[bytes]:
         delta = self._take(events)
-        if delta is not None:
+        if delta is None:
+            return
+        if self._first_chunk:
             yield sse(self._chunk([self._choice(delta[0], delta[1], None)]))
+            return
+        yield self._delta_chunk(*delta)
+
+    def _delta_chunk(self, text: str, ids: list[int]) -> bytes:
+        """What `sse(self._chunk([self._choice(text, ids, None)]))` gives after the first
+        chunk, without building and encoding the whole object per token (the hot path)."""
+        if self._frame is None:
+            whole = self._chunk([self._choice("\0", [], None)])
+            before, _, after = json.dumps(whole, separators=(",", ":")).partition('"\\u0000"')
+            ending = after.encode() + b"\n\n"
+            if self.return_token_ids:
+                ending = ending[:ending.index(b'"token_ids":[') + len(b'"token_ids":[')]
+            self._frame = (b"data: " + before.encode(), ending)
+        head, tail = self._frame
+        body = json.dumps(text).encode()
+        if self.return_token_ids:
+            return b"".join((head, body, tail, ",".join(map(str, ids)).encode(),
+                             b"]}]" + (b',"usage":null}' if self.include_usage else b"}") +
+                             b"\n\n"))
+        return head + body + tail
 
     def end(self) -> Iterator[bytes]:
         """After Finish: the chunk with finish_reason, the usage chunk when asked, [DONE];

@@ -55,7 +55,7 @@ class Completion:
     def __init__(self, gen: Generation, tokenizer: Tokenizer):
         self._gen = gen
         self._eos = frozenset() if gen.sampling.ignore_eos else tokenizer.eos_token_ids
-        self._text = OutputText(tokenizer, gen.prompt_ids, gen.stop)
+        self._text = OutputText(tokenizer, gen.stop)
         self.tokens = 0
         self.finish_reason = ""
         self.first_text = ""  # what the first token's Delta carries
@@ -74,12 +74,9 @@ class Completion:
                 break
             taken.append(token)
             self.tokens += 1
-            if token in self._eos:
+            pieces.append(self._text.push(token))  # EOS too: decode() skips special tokens
+            if token in self._eos or self._text.stopped:
                 self.finish_reason = "stop"
-            else:
-                pieces.append(self._text.push(token))
-                if self._text.stopped:
-                    self.finish_reason = "stop"
             if not self.finish_reason and self.tokens >= self._gen.sampling.max_tokens:
                 self.finish_reason = "length"
         if self.finish_reason:

@@ -1,6 +1,7 @@
 """`python -m pdserve.router.main`: the router process (no torch: tokenization only).
 
-Loads the model directory's tokenizer, starts checking the workers, and serves
+Makes torch unimportable here, loads the model directory's tokenizer (transformers'
+AutoTokenizer), starts checking the workers, and serves
 `pdserve.v1.Router` until SIGTERM/SIGINT. SERVING once at least one prefill and one decode
 worker are healthy.
 """
@@ -30,7 +31,7 @@ from pdserve.router.http_server import HttpFrontDoor
 from pdserve.router.lifecycle import Lifecycle
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
-from pdserve.router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer, hide_torch
 from pdserve.v1 import router_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
@@ -58,6 +59,7 @@ def model_dir(ref: ModelRef) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the router; returns the process exit status."""
+    hide_torch()  # transformers then loads only the tokenizer (see router/tokenizer.py)
     cfg = parse_config(RouterConfig, SERVICE, argv, prog="pdserve router")
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     try:

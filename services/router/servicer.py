@@ -17,7 +17,7 @@ def input_from_pb(req: router_pb2.GenerateRequest) -> GenerateInput:
     def optional(name: str) -> object:
         return getattr(req, name) if req.HasField(name) else None
 
-    messages = tuple(ChatMessage(m.role, m.content) for m in getattr(req, "messages", ()))
+    messages = tuple(ChatMessage(m.role, m.content) for m in req.messages)
     return GenerateInput(
         prompt=req.prompt, token_ids=tuple(req.token_ids), messages=messages,
         max_tokens=optional("max_tokens"), temperature=optional("temperature"),  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pdserve.common.errors import InvalidArgument
 from pdserve.common.sampling import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
 from pdserve.router.api import GenerateInput
-from pdserve.router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
@@ -63,12 +63,25 @@ def _stop(req: GenerateInput) -> tuple[str, ...]:
     return tuple(req.stop)
 
 
+def _chat_ids(req: GenerateInput, tokenizer: Tokenizer) -> list[int]:
+    for i, message in enumerate(req.messages):
+        if not message.role:
+            raise _invalid(f"messages[{i}].role", message.role, "a role is required")
+    try:
+        return tokenizer.encode_chat([(m.role, m.content) for m in req.messages])
+    except ChatTemplateError as exc:
+        raise _invalid("messages", f"{len(req.messages)} messages", str(exc)) from None
+
+
 def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int]]:
+    inputs = {"prompt": req.prompt[:40], "token_ids": f"{len(req.token_ids)} ids",
+              "messages": f"{len(req.messages)} messages"}
+    given = [name for name in inputs if getattr(req, name)]
+    if len(given) > 1:
+        raise _invalid(given[0], inputs[given[0]], f"give only one of prompt, token_ids and "
+                       f"messages, not {' and '.join(given)}")
     if req.messages:
-        raise _invalid("messages", f"{len(req.messages)} messages",
-                       "chat requests are not supported by this router; send a prompt")
-    if req.prompt and req.token_ids:
-        raise _invalid("prompt", req.prompt[:40], "give prompt or token_ids, not both")
+        return "messages", _chat_ids(req, tokenizer)
     if req.token_ids:
         ids = list(req.token_ids)
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
@@ -78,7 +91,8 @@ def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int
             )
         return "token_ids", ids
     if not req.prompt:
-        raise _invalid("prompt", req.prompt, "a non-empty prompt or token_ids is required")
+        raise _invalid("prompt", req.prompt,
+                       "a non-empty prompt, token_ids or messages is required")
     ids = tokenizer.encode(req.prompt)
     if not ids:
         raise _invalid("prompt", req.prompt[:40], "the prompt encodes to no tokens")

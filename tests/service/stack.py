@@ -6,8 +6,10 @@ import contextlib
 import dataclasses
 import random
 import socket
+import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from pdserve.common.security import ChannelSecurity
@@ -22,11 +24,20 @@ from pdserve.v1 import (
 
 from tests.support import pdserve_argv, running
 
+_HANDED_OUT: set[int] = set()  # ports of stacks this process runs now (started side by side)
+_HANDED_OUT_LOCK = threading.Lock()
+
 
 def _port_block(n: int, tries: int = 50) -> int:
-    """A base port with n free ports above it (on loopback, checked by binding)."""
+    """A base port with n free ports above it (on loopback, checked by binding), none handed
+    to another stack of this process that is still running."""
     for _ in range(tries):
         base = random.randint(20000, 40000)
+        block = set(range(base, base + n))
+        with _HANDED_OUT_LOCK:
+            if block & _HANDED_OUT:
+                continue
+            _HANDED_OUT.update(block)
         socks = []
         try:
             for i in range(n):
@@ -35,11 +46,18 @@ def _port_block(n: int, tries: int = 50) -> int:
                 socks.append(s)
             return base
         except OSError:
+            with _HANDED_OUT_LOCK:
+                _HANDED_OUT.difference_update(block)
             continue
         finally:
             for s in socks:
                 s.close()
     raise RuntimeError("no block of free ports")
+
+
+def _give_back(base: int, n: int) -> None:
+    with _HANDED_OUT_LOCK:
+        _HANDED_OUT.difference_update(range(base, base + n))
 
 
 @dataclasses.dataclass
@@ -78,9 +96,7 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
     """`pdserve up ARGS` on free ports; `security`: how to reach the router's health over TLS
     (with `--tls`)."""
     base = _port_block(40)
-    metrics_base = _port_block(45)
-    while abs(metrics_base - base) < 45:  # the two blocks must not overlap
-        metrics_base = _port_block(45)
+    metrics_base = _port_block(45)  # never overlaps `base`: that block is handed out
     ports = dict(port=base, prefill_port=base + 10, decode_port=base + 20, agent_port=base + 30,
                  colocated_port=base + 35, http_port=base + 38, metrics_port=metrics_base)
     argv = pdserve_argv("up", "--prefill", str(prefill), "--decode", str(decode),
@@ -96,14 +112,41 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
     metrics = {name: f"http://127.0.0.1:{metrics_base + metrics_offset(name)}/metrics"
                for name in names}
     http = f"http{'s' if '--tls' in args else ''}://127.0.0.1:{base + 38}/v1"
-    with running(argv, router, env=env, timeout_s=240, security=security) as proc:
-        if colocated:
-            workers = [f"127.0.0.1:{ports['colocated_port']}"]
-            yield Stack(router, workers, workers, proc, metrics, http)
-        else:
-            yield Stack(router, [f"127.0.0.1:{base + 10 + i}" for i in range(prefill)],
-                        [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics,
-                        http)
+    try:
+        with running(argv, router, env=env, timeout_s=240, security=security) as proc:
+            if colocated:
+                workers = [f"127.0.0.1:{ports['colocated_port']}"]
+                yield Stack(router, workers, workers, proc, metrics, http)
+            else:
+                yield Stack(router, [f"127.0.0.1:{base + 10 + i}" for i in range(prefill)],
+                            [f"127.0.0.1:{base + 20 + i}" for i in range(decode)], proc, metrics,
+                            http)
+    finally:
+        _give_back(base, 40)
+        _give_back(metrics_base, 45)
+
+
+@contextlib.contextmanager
+def pdserve_stacks(*arg_lists: tuple[str, ...], env: dict[str, str] | None = None
+                   ) -> Iterator[list[Stack]]:
+    """Several `pdserve up ARGS` stacks started, and stopped, side by side, so their start-up
+    and shut-down waits overlap; each on ports of its own."""
+    managers = [pdserve_stack(*args, env=env) for args in arg_lists]
+    entered: list[tuple[contextlib.AbstractContextManager[Stack], Stack]] = []
+    with ThreadPoolExecutor(max(1, len(managers))) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+        errors = []
+        for manager, future in zip(managers, futures):
+            try:
+                entered.append((manager, future.result()))
+            except BaseException as exc:  # the others still get stopped
+                errors.append(exc)
+        try:
+            if errors:
+                raise errors[0]
+            yield [stack for _, stack in entered]
+        finally:
+            list(pool.map(lambda pair: pair[0].__exit__(None, None, None), entered))
 
 
 def collect(

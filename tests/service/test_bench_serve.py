@@ -79,3 +79,28 @@ def test_bench_serve_names_bad_arguments(tiny_model_dir):
                                            "--model", str(tiny_model_dir), *args),
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_bench_serve_compares_both_apis_interleaved_with_the_router_cpu(stack, tiny_model_dir,
+                                                                         tmp_path):
+    out = tmp_path / "compare.json"
+    done = subprocess.run(pdserve_argv(
+        "bench", "serve", "--target", stack.router, "--target", stack.http, "--compare",
+        "--interleave", "4", "--server-cpu", stack.router, "--model", str(tiny_model_dir),
+        "--workload", "uniform:8-40,4-8", "--num-requests", "8", "--concurrency", "2",
+        "--json", str(out)), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "interleaved in 4 rounds" in done.stdout and "server CPU ms/token" in done.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["target"] for r in runs] == [f"grpc://{stack.router}", stack.http]
+    for run in runs:
+        summary = run["summary"]
+        records = run["records"]
+        assert summary["completed"] == 8 and summary["server_cpu_s"] > 0
+        assert summary["server_cpu_ms_per_token"] > 0
+        assert [r["index"] for r in records] == list(range(8))
+        assert all(r["output_tokens"] == r["max_tokens"] and r["components"]["ttft_ms"] > 0
+                   for r in records)
+    # The same requests went to both APIs, in the same order.
+    shapes = [[(r["prompt_tokens"], r["max_tokens"]) for r in run["records"]] for run in runs]
+    assert shapes[0] == shapes[1] and len(set(shapes[0])) > 1

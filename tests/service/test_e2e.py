@@ -90,6 +90,7 @@ def test_cancelled_stream_frees_decode_pages(stack):
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "model": "no-such-model"}, "model"),
     ({"prompt": "x " * 5000}, "prompt"),
+    ({"messages": [router_pb2.ChatMessage(role="user", content="hi")]}, "messages"),  # no template
 ])
 def test_invalid_input_is_invalid_argument_naming_the_field(stack, fields, field):
     with pytest.raises(grpc.RpcError) as err:

@@ -107,3 +107,47 @@ def test_router_never_imports_torch():
             "sys.exit(f'router imported {bad}' if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+ROUTER_TOKENIZER = """
+    import json, sys
+    from pdserve.router.tokenizer import Tokenizer, hide_torch
+    hide_torch()  # what the router process does first
+    out = {}
+    for path in sys.argv[1:]:
+        tok = Tokenizer.from_dir(path)
+        ids = [tok.encode(t) for t in TEXTS]
+        chat = tok.encode_chat([("user", TEXTS[0])]) if tok.has_chat_template else None
+        out[path] = {"ids": ids, "chat": chat, "text": [tok.decode(i) for i in ids]}
+    assert sys.modules.get("torch") is None, "torch was imported"
+    assert not any(m.startswith("torch.") for m in sys.modules), "a torch module was imported"
+    print(json.dumps(out))
+"""
+
+
+def test_router_tokenizes_with_transformers_without_torch(model_kinds, tiny_model_dir):
+    """In a fresh interpreter set up as the router's, AutoTokenizer loads without torch and
+    gives the ids, chat ids and text transformers gives in this process (with torch)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    texts = ["What is the capital of France?", "def main():\n    return 0\n", "日本語 🎉"]
+    paths = [str(p) for p in (*model_kinds.values(), tiny_model_dir)]
+    script = f"TEXTS = {texts!r}\n" + textwrap.dedent(ROUTER_TOKENIZER)
+    done = subprocess.run([sys.executable, "-c", script, *paths], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PyTorch was not found" not in done.stderr  # the advisory warning is silenced
+    got = json.loads(done.stdout)
+    for path in paths:
+        hf = AutoTokenizer.from_pretrained(path)
+        ids = [hf(t).input_ids for t in texts]
+        assert got[path]["ids"] == ids, path
+        assert got[path]["text"] == [hf.decode(i, skip_special_tokens=True) for i in ids]
+        if hf.chat_template:
+            chat = hf.apply_chat_template([{"role": "user", "content": texts[0]}],
+                                          add_generation_prompt=True)["input_ids"]
+            assert got[path]["chat"] == list(chat), path
+        else:
+            assert got[path]["chat"] is None

@@ -113,6 +113,10 @@ def test_errors_come_in_openai_shape_naming_the_field(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-5", prompt="x")
     assert info.value.code == "model_not_found" and "gpt-5" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:  # the tiny model has no template
+        client.chat.completions.create(model="builtin-tiny",
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert info.value.param == "messages" and "no chat template" in info.value.message
     status, body = _post(stack, "/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = _post(stack, "/completions", json.dumps({"prompt": [10**9]}).encode())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -65,7 +66,7 @@ def test_model_directory_named_after_itself(tmp_path):
 
 
 def test_builtin_model_from_a_child_process():
-    ref = resolve_model_name(None)
+    ref = resolve_model_name("tiny")
     assert ref.name == "builtin-tiny" and (model_dir(ref) / "tokenizer.json").is_file()
 
 
@@ -87,6 +88,8 @@ def test_router_process_serves_reflects_and_drains(tmp_path):
                                "PDSERVE_ROUTER_LOG_FORMAT": "json"})
     try:
         wait_serving(address, timeout_s=30, proc=proc.proc)
+        maps = Path(f"/proc/{proc.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps and "/torch/" not in maps  # tokenizer loaded, no torch
         with grpc.insecure_channel(address) as channel:
             assert "pdserve.v1.Router" in ProtoReflectionDescriptorDatabase(channel).get_services()
             script.tokens = Tokenizer.from_dir(model_dir).encode("hello world")

@@ -167,3 +167,21 @@ def test_a_chat_answer_says_assistant_once_and_carries_the_breakdown():
     assert body["id"] == "chatcmpl-r1" and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert body["usage"]["total_tokens"] == 7 and body["pdserve"]["timing"]["queue_ms"] == 1.0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_the_fast_path_of_a_delta_chunk_writes_what_the_object_would(chat, include_usage,
+                                                                     token_ids):
+    answer = Answer(chat, "tiny \"model\"", include_usage=include_usage,
+                    return_token_ids=token_ids)
+    first = json.loads(b"".join(answer.chunks([Delta("r1", "Hé", (1,))]))[6:])
+    for text, ids in ((" member", (952,)), ('"\\\n🙂\x00', (3, 4)), ("", (5,))):
+        fast = b"".join(answer.chunks([Delta("r1", text, ids)]))
+        expected = {**first, "choices": [{"index": 0, **({"delta": {"content": text}} if chat
+                                                         else {"text": text}),
+                                          "logprobs": None, "finish_reason": None,
+                                          **({"token_ids": list(ids)} if token_ids else {})}]}
+        assert fast.startswith(b"data: ") and fast.endswith(b"\n\n")
+        assert json.loads(fast[6:]) == expected

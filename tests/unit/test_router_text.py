@@ -43,7 +43,7 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("text", SAMPLES)
 def test_incremental_detokenizer_never_emits_partial_characters(tokenizer, text):
     ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt: "))
+    detok = IncrementalDetokenizer(tokenizer)
     deltas = [detok.push(t) for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text
@@ -59,13 +59,11 @@ def test_bytes_tokenizer_splits_every_multibyte_character(tmp_path):
     assert [detok.push(t) for t in ids] == ["", "", "", "🙂"]
 
 
-def test_leading_space_kept_after_prompt(tokenizer):
-    prompt, completion = "hello", " world, the fox"
-    ids = tokenizer.encode(prompt + completion)
-    n = len(tokenizer.encode(prompt))
-    assert tokenizer.encode(prompt) == ids[:n]
-    detok = IncrementalDetokenizer(tokenizer, ids[:n])
-    assert "".join(detok.push(t) for t in ids[n:]) + detok.flush() == completion
+def test_text_is_the_decode_of_the_generated_ids_alone(tokenizer):
+    ids = tokenizer.encode(" world, the fox")
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push(t) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids) == " world, the fox"
 
 
 def test_stop_string_spanning_pushes_is_cut_and_not_emitted():
@@ -97,7 +95,7 @@ def test_earliest_stop_wins_and_overlapping_prefixes():
 
 def test_output_text_stop_across_two_tokens(tmp_path):
     tok = Tokenizer.from_dir(make_model_dir(tmp_path, merges=False))  # one token per byte
-    text = OutputText(tok, (), ["STOP"])
+    text = OutputText(tok, ["STOP"])
     out = [text.push(t) for t in tok.encode("go 中 STOP here")]
     assert text.stopped
     assert "".join(out) + text.finish() == "go 中 "
@@ -105,7 +103,7 @@ def test_output_text_stop_across_two_tokens(tmp_path):
 
 
 def test_output_text_releases_partial_stop_at_end(tokenizer):
-    text = OutputText(tokenizer, (), ["END."])
+    text = OutputText(tokenizer, ["END."])
     out = "".join(text.push(t) for t in tokenizer.encode("the END"))
     assert out == "the "
     assert text.finish() == "END" and not text.stopped
