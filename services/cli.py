@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "one engine doing prefill and decode (comparison baseline)"),
     "certs": ("pdserve.certs", "make a throwaway CA and certificates: pdserve certs create DIR"),
     "model": ("pdserve.engine.builtin",
-              "create the built-in model: pdserve model create tiny|small DIR"),
+              "create a built-in model: pdserve model create tiny|small|bench-7m|bench-152m DIR"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.bench", "engine decode throughput vs transformers"),

@@ -1,9 +1,11 @@
 """`pdserve up`: the whole stack on this machine, every service its own process.
 
 Default layout: two simulated hosts, each with its own kvtransfer agent: host A runs the
-prefill workers, host B the decode workers, so every handoff crosses a real UCX (or TCP)
-connection between two agents. `--colocated` instead runs one engine doing both phases behind
-the same router API, for comparison. Ctrl-C (or SIGTERM) stops every process.
+prefill workers, host B the decode workers, so every handoff goes between two agents. As they
+really share this machine, the agents find so at their handshake and the receiving one copies
+the pages straight out of the sender's pool (kv_transport `shm`); `--no-same-host-copy` makes
+every handoff cross a real UCX (or TCP) connection instead. `--colocated` runs one engine doing
+both phases behind the same router API, for comparison. Ctrl-C (or SIGTERM) stops every process.
 `--otlp-endpoint HOST:PORT` sends every process's traces to an OpenTelemetry collector or Jaeger.
 `--tls DIR` runs every hop over TLS with mutual TLS between the services (certificates from
 DIR, made there by `pdserve certs create` when missing); `--api-key-file FILE` makes the
@@ -43,6 +45,10 @@ class UpConfig:
     prefill: int = option(1, "prefill workers")
     decode: int = option(1, "decode workers")
     transport: str = option("ucx", "KV transport between the agents", choices=("ucx", "tcp"))
+    same_host_copy: bool = option(True, "the two agents find at their handshake that they share "
+                                        "this host, and copy pages straight from the sender's "
+                                        "pool (kv_transport shm); off: every handoff takes "
+                                        "--transport")
     colocated: bool = option(False, "one co-located engine instead of prefill + decode workers")
     port: int = option(50051, "router port")
     http_port: int = option(8000, "router's OpenAI-compatible HTTP port (0 = any free port, "
@@ -191,7 +197,8 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
         for i, addr in enumerate((agent_a, agent_b)):
             procs.append(Proc(f"kvtransfer-{'ab'[i]}", addr, [
                 *py, "pdserve.kvtransfer.main", "--port", str(cfg.agent_port + i),
-                "--transport", cfg.transport, "--agent-id", f"host-{'ab'[i]}"]))
+                "--transport", cfg.transport, "--agent-id", f"host-{'ab'[i]}",
+                "--same-host-copy" if cfg.same_host_copy else "--no-same-host-copy"]))
         prefill_addrs = [f"127.0.0.1:{cfg.prefill_port + i}" for i in range(cfg.prefill)]
         decode_addrs = [f"127.0.0.1:{cfg.decode_port + i}" for i in range(cfg.decode)]
         for i, addr in enumerate(decode_addrs):

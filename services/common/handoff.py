@@ -1,12 +1,17 @@
 """What a KV handoff is, as plain types shared by the workers and the kvtransfer agents:
 where the pages land (`Destination`) and what moving them took (`TransferReport`).
-Standard library only; the gRPC messages of the same names are their wire form."""
+Standard library only; the gRPC messages of the same names are their wire form, and the
+`*_to_json` / `*_from_json` pairs their form on the local socket between a worker and its
+agent (pdserve.common.localsock)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey
 
 
 @dataclass(frozen=True)
@@ -28,5 +33,48 @@ class TransferReport:
     handoff_ms: float = 0.0
     kv_bytes: int = 0
     kv_pages: int = 0
-    transport: str = ""  # "ucx", "tcp", "local", or "" when no handoff ran
+    transport: str = ""  # "shm", "ucx", "tcp", "local", or "" when no handoff ran
     num_runs: int = 0
+    # The whole transfer, first page shipped -> last page resident. With pipelining (pages
+    # shipped chunk by chunk while prefill still runs) `handoff_ms` is only its exposed part:
+    # KV of the whole prompt ready -> every page resident. Without, the two are equal.
+    total_ms: float = 0.0
+
+
+def ticket_to_json(key: TicketKey) -> dict[str, Any]:
+    return {"request_id": key.request_id, "epoch": key.epoch}
+
+
+def ticket_from_json(obj: Any) -> TicketKey:
+    """Raises ValueError (or KeyError/TypeError) on a malformed ticket."""
+    return TicketKey(str(obj["request_id"]), int(obj["epoch"]))
+
+
+def fingerprint_to_json(fp: LayoutFingerprint | None) -> dict[str, Any] | None:
+    return None if fp is None else dataclasses.asdict(fp)
+
+
+def fingerprint_from_json(obj: Any) -> LayoutFingerprint | None:
+    return None if obj is None else LayoutFingerprint(**obj)
+
+
+def destination_to_json(d: Destination) -> dict[str, Any]:
+    return {"agent_address": d.agent_address, "agent_epoch": d.agent_epoch,
+            "pool_id": d.pool_id, "page_ids": list(d.page_ids),
+            "fingerprint": fingerprint_to_json(d.fingerprint)}
+
+
+def destination_from_json(obj: Any) -> Destination:
+    return Destination(str(obj["agent_address"]), int(obj["agent_epoch"]), str(obj["pool_id"]),
+                       tuple(int(p) for p in obj["page_ids"]),
+                       fingerprint_from_json(obj.get("fingerprint")))
+
+
+def report_to_json(r: TransferReport) -> dict[str, Any]:
+    return dataclasses.asdict(r)
+
+
+def report_from_json(obj: Any) -> TransferReport:
+    return TransferReport(float(obj["handoff_ms"]), int(obj["kv_bytes"]), int(obj["kv_pages"]),
+                          str(obj["transport"]), int(obj["num_runs"]),
+                          float(obj.get("total_ms", obj["handoff_ms"])))

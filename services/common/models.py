@@ -1,8 +1,9 @@
 """What `--model` names, decided in one place for every command (router, workers, `up`,
 benchmarks). Standard library only: the router resolves names without importing torch.
 
-A value is either a built-in model (`tiny`, `small`, or the served names `builtin-tiny`,
-`builtin-small`), created on first use under the cache directory, or a local Hugging Face
+A value is either a built-in model (`tiny`, `small`, the benchmark shapes `bench-7m` and
+`bench-152m`, or the served names `builtin-tiny`, ...), created on first use under the cache
+directory, or a local Hugging Face
 directory (served under the directory's name).
 """
 
@@ -12,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILTIN_SIZES = ("tiny", "small")
+BUILTIN_SIZES = ("tiny", "small", "bench-7m", "bench-152m")
 BUILTIN_PREFIX = "builtin-"
 DEFAULT_MODEL = "tiny"
 

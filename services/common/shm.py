@@ -1,8 +1,15 @@
-"""Named POSIX shared-memory segments that another process on the host can map without a copy.
+"""Shared memory a KV pool lives in, and that another process on the host maps without a copy.
 
-A KV pool lives in one segment (/dev/shm/<name>). The creating process owns it and unlinks it
-when closed; other processes (the host's kvtransfer agent, tests) attach by name. Only the
-standard library is used, so every layer (engine, kvtransfer) can import this.
+A pool is a **nameless** segment (`memfd_create`): nothing appears in /dev/shm, and its memory
+goes back to the system as soon as the last process holding it (the worker that made it, the
+agent it handed the descriptor to over a Unix socket) exits or unmaps it, whatever kills them.
+Other processes get it only as a file descriptor (`from_fd`); `readonly_fd` opens a read-only
+descriptor of it for a peer that may only read (an agent on the same host copying pages out).
+
+Named POSIX segments (/dev/shm/pdserve-*) remain for processes that attach by name (`attach`,
+the `shm_name` of RegisterPool): `create_named` makes one (tests of that path), and
+`sweep_stale` removes those whose creator died. Only the standard library is used, so every
+layer (engine, kvtransfer) can import this.
 """
 
 from __future__ import annotations
@@ -17,57 +24,89 @@ PREFIX = "pdserve-"
 
 
 class SharedSegment:
-    """A mapped shared-memory segment; `buffer` is a writable memoryview over all of it."""
+    """A mapped shared-memory segment; `buffer` is a memoryview over all of it (writable
+    unless mapped read-only). `fd` stays open while the segment is (memfd segments)."""
 
-    def __init__(self, name: str, size: int, *, create: bool):
-        if not name.startswith(PREFIX):
-            raise ValueError(f"shared-memory name {name!r} must start with {PREFIX!r}")
-        self.name = name
-        self.owner = create
-        path = SHM_DIR / name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    def __init__(self, fd: int, size: int, *, name: str = "", owner: bool = False,
+                 writable: bool = True, populate: bool = False):
         try:
-            fd = os.open(path, flags, 0o600)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"no shared-memory segment {name!r} (is its owner running?)"
-            ) from None
-        try:
-            if create:
-                os.ftruncate(fd, size)
             actual = os.fstat(fd).st_size
             if actual < size:
-                raise ValueError(
-                    f"shared-memory segment {name!r} has {actual} bytes, expected {size}"
-                )
-            self.size = size
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                raise ValueError(f"shared-memory segment {name or 'fd'} has {actual} bytes, "
+                                 f"expected {size}")
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags, prot)
         except BaseException:
             os.close(fd)
-            if create:
-                path.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        self.fd = fd
+        self.name = name
+        self.owner = owner
+        self.size = size
+        self.writable = writable
         self.buffer = memoryview(self._mmap)
 
+    # ---- nameless segments ---------------------------------------------------------------
     @classmethod
-    def create(cls, size: int, tag: str = "pool") -> SharedSegment:
+    def create(cls, size: int, tag: str = "kv") -> SharedSegment:
+        """A new nameless segment of `size` bytes (zero-filled, pages allocated on first use)."""
+        fd = os.memfd_create(f"{PREFIX}{tag}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, size, owner=True)
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int, *, writable: bool = True,
+                populate: bool = False) -> SharedSegment:
+        """Map a segment received as a descriptor (this object owns `fd` from now on).
+        `populate` faults every page in at once, so no handoff pays for it later."""
+        return cls(fd, size, writable=writable, populate=populate)
+
+    def readonly_fd(self) -> int:
+        """A new read-only descriptor of this segment (the caller closes it)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    # ---- named segments (attach by name) -------------------------------------------------
+    @classmethod
+    def create_named(cls, size: int, tag: str = "pool") -> SharedSegment:
+        """A named segment /dev/shm/pdserve-TAG-PID-RANDOM; unlinked by `close`."""
         sweep_stale()
-        return cls(f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}", size, create=True)
+        name = f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size, name=name, owner=True)
+        except BaseException:
+            (SHM_DIR / name).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def attach(cls, name: str, size: int) -> SharedSegment:
-        return cls(name, size, create=False)
+        if not name.startswith(PREFIX) or "/" in name:
+            raise ValueError(f"shared-memory name {name!r} must start with {PREFIX!r}")
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no shared-memory segment {name!r} (is its owner running?)") from None
+        return cls(fd, size, name=name)
 
     def close(self) -> None:
-        """Unlink the name (owner) first, then unmap. Safe to call twice.
+        """Unlink a named segment (owner) first, then unmap and close. Safe to call twice.
 
         A tensor or view still exported from `buffer` keeps the mapping alive until it goes;
-        the name is gone at once either way, so nothing is left in /dev/shm.
+        the name and the descriptor are gone at once either way.
         """
-        if self.owner:
+        if self.owner and self.name:
             (SHM_DIR / self.name).unlink(missing_ok=True)
-            self.owner = False
+        self.owner = False
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         if self._mmap is None:
             return
         try:
@@ -75,7 +114,7 @@ class SharedSegment:
             self._mmap.close()
         except BufferError:
             pass
-        self._mmap = None  # type: ignore[assignment]  # closed: nothing maps it any more
+        self._mmap = None
 
     def __enter__(self) -> SharedSegment:
         return self
@@ -85,11 +124,20 @@ class SharedSegment:
 
 
 def leftover_segments(pid: int | None = None) -> list[str]:
-    """Names of pdserve segments still in /dev/shm (for one creating pid, or all)."""
+    """Names of pdserve segments in /dev/shm (for one creating pid, or all)."""
     names = sorted(p.name for p in SHM_DIR.glob(f"{PREFIX}*"))
     if pid is not None:
         names = [n for n in names if f"-{pid}-" in n]
     return names
+
+
+def memfd_mappings(pid: int) -> int:
+    """How many mappings of pdserve's nameless segments process `pid` holds (0 when gone)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return 0
+    return sum(1 for line in maps.splitlines() if f"/memfd:{PREFIX}" in line)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -103,7 +151,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale() -> list[str]:
-    """Unlink segments whose creating process is gone (killed before it could clean up)."""
+    """Unlink named segments whose creating process is gone (killed before it could clean up)."""
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         parts = path.name.split("-")

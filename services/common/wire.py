@@ -72,8 +72,14 @@ def destination_from_pb(pb: common_pb2.KVDestination) -> Destination:
 
 
 def report_to_pb(report: TransferReport) -> common_pb2.TransferReport:
-    return common_pb2.TransferReport(**dataclasses.asdict(report))
+    return common_pb2.TransferReport(handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes,
+                                     kv_pages=report.kv_pages, transport=report.transport,
+                                     num_runs=report.num_runs,
+                                     kv_transfer_total_ms=report.total_ms)
 
 
 def report_from_pb(pb: common_pb2.TransferReport) -> TransferReport:
-    return TransferReport(pb.handoff_ms, pb.kv_bytes, pb.kv_pages, pb.transport, pb.num_runs)
+    """A report; one from a sender that predates kv_transfer_total_ms (0) was not pipelined,
+    so its whole transfer is its handoff."""
+    return TransferReport(pb.handoff_ms, pb.kv_bytes, pb.kv_pages, pb.transport, pb.num_runs,
+                          pb.kv_transfer_total_ms or pb.handoff_ms)

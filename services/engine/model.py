@@ -3,13 +3,13 @@
 Weights are loaded by transformers' own `from_pretrained` (safetensors, sharding, tied
 embeddings); the forward pass is ours, so K and V go straight into pool pages and attention
 reads them back through block tables. One forward serves prefill (many query tokens per
-sequence, chunked) and decode (one query token per sequence): sequences of any lengths share
-a batch, padded on the query side, masked on the key side.
+sequence, chunked) and decode (one query token per sequence), both in one batch: new tokens
+are packed back to back (no padding) through fused q/k/v and gate/up GEMMs, and attention reads
+the pages in place (`attention.py`); the LM head runs on each sequence's last token only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -18,6 +18,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.engine.attention import PagedAttention
+from pdserve.engine.batch import Batch
 from pdserve.engine.pool import DTYPES
 from torch import nn
 
@@ -66,36 +68,6 @@ def model_revision(model_dir: Path) -> str:
     return h.hexdigest()[:12]
 
 
-@dataclasses.dataclass
-class Batch:
-    """Tensors for one forward over S sequences with up to T new (query) tokens each.
-
-    input_ids, positions: [S, T] (padded); query_lens, context_lens: [S] (context = cached
-    tokens + new ones); block_tables: [S, max_pages] page ids in token order (padded with 0).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    query_lens: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
-
-    @classmethod
-    def build(cls, new_tokens: list[list[int]], start_positions: list[int],
-              page_tables: list[list[int]], device: torch.device) -> Batch:
-        T = max(len(t) for t in new_tokens)
-        max_pages = max(len(p) for p in page_tables)
-        # Pad in Python, convert once: a tensor per row costs more than the decode step itself
-        # on small models.
-        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens])
-        tables = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables])
-        starts = torch.tensor(start_positions)
-        qlens = torch.tensor([len(t) for t in new_tokens])
-        pos = starts[:, None] + torch.arange(T)[None, :]
-        return cls(ids.to(device), pos.to(device), qlens.to(device), (starts + qlens).to(device),
-                   tables.to(device))
-
-
 class PagedCausalLM(nn.Module):
     """A Llama-family decoder whose attention reads and writes the paged KV pool."""
 
@@ -137,93 +109,83 @@ class PagedCausalLM(nn.Module):
         self.model_id = model_id
         self.revision = revision
         self.dtype_name = {v: k for k, v in DTYPES.items()}[self.embed_tokens.weight.dtype]
+        self.attention = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                        self.scaling, window)
+        self._fuse_projections()
 
     def fingerprint(self, block_size: int) -> LayoutFingerprint:
         return LayoutFingerprint(self.model_id, self.revision, self.dtype_name, self.num_layers,
                                  self.num_kv_heads, self.head_dim, block_size)
 
+    def _fuse_projections(self) -> None:
+        """One q/k/v GEMM and one gate/up GEMM per layer (2 instead of 5).
+
+        The fused weights are concatenated once; each original projection's weight becomes a
+        view into them, so the model holds every weight once.
+        """
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._gate_up: list[torch.Tensor] = []
+        layer: Any
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            weight = torch.cat([p.weight for p in projs])
+            bias = None
+            if attn.q_proj.bias is not None:
+                bias = torch.cat([p.bias for p in projs])
+            self._rebind(projs, weight, bias)
+            self._qkv.append((weight, bias))
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self._rebind((mlp.gate_proj, mlp.up_proj), gate_up, None)
+            self._gate_up.append(gate_up)
+
+    @staticmethod
+    def _rebind(projs: tuple[nn.Linear, ...], weight: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
+        row = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+            row += n
+
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: torch.Tensor) -> torch.Tensor:
         """Run the batch, writing its new K/V into `kv` pages; the logits of each sequence's last
         new token [S, V]."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        S, T = batch.input_ids.shape
-        block = kv.shape[3]
+        N = batch.num_tokens
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary_emb(hidden, batch.positions)
-        mask = self._attention_mask(batch, block)
-        slot_pages, slot_offsets, valid = self._write_slots(batch, block)
-        pages = batch.block_tables.flatten()
-        key_buf, value_buf = self._workspace(pages.numel(), kv.shape[3:], kv.dtype, kv.device)
+        cos, sin = self.rotary_emb(hidden, batch.positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D], broadcast over heads
+        lib = self.attention.native(kv)
+        splits = [H * D, KVH * D, KVH * D]
         layer: Any  # transformers' decoder layer (untyped)
         for layer_idx, layer in enumerate(self.layers):
-            attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(S, T, self.num_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(S, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(S, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            weight, bias = self._qkv[layer_idx]
+            q, k, v = torch.split(F.linear(x, weight, bias), splits, dim=-1)
+            q, k = q.view(N, H, D), k.view(N, KVH, D)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
             layer_kv = kv[:, layer_idx]  # [P, 2, block, kvh, hd], a view
-            new_k = k.transpose(1, 2).reshape(S * T, self.num_kv_heads, self.head_dim)
-            new_v = v.transpose(1, 2).reshape(S * T, self.num_kv_heads, self.head_dim)
-            layer_kv[slot_pages, 0, slot_offsets] = new_k[valid]
-            layer_kv[slot_pages, 1, slot_offsets] = new_v[valid]
-            keys = self._gather(layer_kv[:, 0], pages, key_buf, S)
-            values = self._gather(layer_kv[:, 1], pages, value_buf, S)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 scale=self.scaling,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-            out = attn.o_proj(out.transpose(1, 2).reshape(S, T, -1))
-            hidden = hidden + out
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = hidden[torch.arange(S, device=hidden.device), batch.query_lens - 1]
+            layer_kv[batch.slot_pages, 0, batch.slot_offsets] = k
+            layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
+            out = self.attention(q, layer_kv, batch, lib)
+            hidden = hidden + layer.self_attn.o_proj(out.view(N, H * D))
+            x = layer.post_attention_layernorm(hidden)
+            gate, up = F.linear(x, self._gate_up[layer_idx]).chunk(2, dim=-1)
+            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        last = hidden[batch.last_index]
         logits: torch.Tensor = self.lm_head(self.norm(last)).float()
         return logits
 
-    def _workspace(self, num_pages: int, page_shape: torch.Size, dtype: torch.dtype,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two reusable buffers for one layer's gathered K and V pages.
 
-        Reused across layers and steps (grown when a batch needs more): a fresh multi-MB
-        allocation per layer costs page faults that were measured at ~4x the copy itself.
-        """
-        need = 2 * num_pages * page_shape.numel()
-        ws = getattr(self, "_ws", None)
-        if ws is None or ws.numel() < need or ws.dtype != dtype or ws.device != device:
-            ws = torch.empty(need, dtype=dtype, device=device)
-            self._ws = ws
-        half = need // 2
-        return (ws[:half].view(num_pages, *page_shape), ws[half:need].view(num_pages, *page_shape))
-
-    @staticmethod
-    def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor,
-                S: int) -> torch.Tensor:
-        """[S, kv_heads, tokens, head_dim] view of the pages' K (or V), copied into `out`."""
-        torch.index_select(pages_kv, 0, pages, out=out)
-        return out.view(S, -1, *out.shape[2:]).transpose(1, 2)
-
-    def _attention_mask(self, batch: Batch, block: int) -> torch.Tensor:
-        """[S, 1, T, K] boolean: key j visible to query t iff j <= pos(t) (and inside the
-        window)."""
-        K = batch.block_tables.shape[1] * block
-        key_pos = torch.arange(K, device=batch.positions.device)
-        q_pos = batch.positions[:, :, None]
-        mask = key_pos[None, None, :] <= q_pos
-        if self.sliding_window is not None:
-            mask &= key_pos[None, None, :] > q_pos - self.sliding_window
-        return mask[:, None]
-
-    def _write_slots(self, batch: Batch, block: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Page and in-page offset for every real (unpadded) new token, and their flat indices."""
-        S, T = batch.input_ids.shape
-        real = torch.arange(T, device=batch.positions.device)[None, :] < batch.query_lens[:, None]
-        valid = real.flatten().nonzero().squeeze(1)
-        pos = batch.positions.flatten()[valid]
-        seq = valid // T
-        pages = batch.block_tables[seq, pos // block]
-        return pages, pos % block, valid
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: [x1, x2] -> [-x2, x1] over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def load_model(model_dir: Path, *, dtype: str = "auto", device: str = "cpu",

@@ -2,9 +2,10 @@
 
 A page holds K and V of `block_size` consecutive tokens for all layers, contiguous:
 `[num_layers, 2, block_size, num_kv_heads, head_dim]`. The pool is one tensor of `num_pages`
-pages in memory the host's kvtransfer agent can map without a copy: a POSIX shared-memory
-segment on CPU, where page i starts at byte `i * page_bytes`. A GPU pool is plain device
-memory; the agents do not move GPU pools yet.
+pages in memory the host's kvtransfer agent can map without a copy: on CPU a nameless
+shared-memory segment (memfd) whose descriptor the worker hands to its agent, where page i
+starts at byte `i * page_bytes`. A GPU pool is plain device memory; the agents do not move GPU
+pools yet.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class KVPool:
     """`num_pages` pages of one layout in host-shareable memory; `tensor[page]` is one page."""
 
     def __init__(self, fingerprint: LayoutFingerprint, num_pages: int, device: str = "cpu",
-                 *, attach_name: str | None = None):
+                 *, attach_fd: int | None = None):
         self.fingerprint = fingerprint
         self.num_pages = num_pages
         self.device = torch.device(device)
@@ -95,19 +96,20 @@ class KVPool:
         self.segment: SharedSegment | None = None
         if self.device.type == "cpu":
             size = num_pages * self.page_bytes
-            self.segment = (SharedSegment.attach(attach_name, size) if attach_name
+            self.segment = (SharedSegment.from_fd(attach_fd, size) if attach_fd is not None
                             else SharedSegment.create(size, tag="kv"))
             self.tensor = torch.frombuffer(self.segment.buffer, dtype=dtype).view(shape)
         elif self.device.type == "cuda":
-            if attach_name:
-                raise ValueError("attach by shared-memory name is for CPU pools only")
+            if attach_fd is not None:
+                raise ValueError("attaching a shared-memory descriptor is for CPU pools only")
             self.tensor = torch.zeros(shape, dtype=dtype, device=self.device)
         else:
             raise ValueError(f"unsupported device {device!r} (cpu or cuda)")
 
     @property
-    def shm_name(self) -> str:
-        return self.segment.name if self.segment else ""
+    def fd(self) -> int:
+        """The descriptor of the pool's segment (-1 for a GPU pool): what the agent maps."""
+        return self.segment.fd if self.segment else -1
 
     def close(self) -> None:
         self.tensor = None  # type: ignore[assignment]

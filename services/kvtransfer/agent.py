@@ -1,9 +1,16 @@
-"""The agent: local pools, expected writes, and the send path (local copy or a transport).
+"""The agent: local pools, expected writes, and the send path (local copy, same-host copy, or
+a network transport).
 
-One agent per host. Local workers register their pools (shared memory, attached by name);
-the decode worker opens a write window per ticket (`expect`) and closes it (`cancel`); the
-prefill worker asks for its pages to be shipped (`send_pages`). Incoming writes from peers
-arrive through the transport, which asks `accept` / `finish` (the `WriteSink` contract).
+One agent per host. Local workers register their pools (a nameless segment's descriptor over
+the local socket, see local.py; or by shared-memory name over gRPC); the decode worker opens a
+write window per ticket (`expect`) and closes it (`cancel`); the prefill worker asks for its
+pages to be shipped (`send_pages`). Incoming writes arrive through a transport or the
+same-host path, which call `accept` / `finish` on the agent's sink for them (receive.py).
+
+Where pages go is decided per destination: the same agent -> one local copy; an agent on this
+host (its local socket reachable and its token found there, see shm.py) -> it copies the pages
+straight out of this pool, mapped read-only: one memory copy; else the network transport (UCX
+or TCP). A same-host attempt that turns out impossible falls back to the network.
 
 `epoch` is drawn fresh at every start (milliseconds since 1970 shifted left 16 bits, plus 16
 random bits): a sender that sees a different epoch than the one a reservation was made at
@@ -30,10 +37,12 @@ from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import AgentMetrics
 from pdserve.common.security import ChannelSecurity
+from pdserve.common.shm import SharedSegment
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import (
     BadRequest,
     PeerUnavailable,
+    SegmentUnavailable,
     StaleEpoch,
     TicketBusy,
     TransportMismatch,
@@ -42,12 +51,14 @@ from pdserve.kvtransfer.errors import (
     cause,
 )
 from pdserve.kvtransfer.grants import GrantBook, GrantedSink
-from pdserve.kvtransfer.peers import PeerDirectory
-from pdserve.kvtransfer.pool import Pool, expect_same
-from pdserve.kvtransfer.runs import check_page_ids, coalesce, expand
+from pdserve.kvtransfer.peers import PeerDirectory, PeerInfo
+from pdserve.kvtransfer.pool import Pool, expect_same, map_by_name
+from pdserve.kvtransfer.receive import AgentSink, check_pages
+from pdserve.kvtransfer.runs import PageRun, coalesce
+from pdserve.kvtransfer.shm import ShmSender
 from pdserve.kvtransfer.tickets import Status, TicketBook
 from pdserve.kvtransfer.traced import traced_sink
-from pdserve.kvtransfer.transport import IncomingWrite, PeerContact, Transport
+from pdserve.kvtransfer.transport import PeerContact, Transport, WriteSink
 from pdserve.kvtransfer.wire import MAX_RUNS, WriteHeader
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -68,6 +79,9 @@ class AgentInfo:
     tcp_address: str
     transport: str
     pool_ids: tuple[str, ...]
+    local_socket: str = ""
+    local_token: bytes = b""
+    same_host_copy: bool = False
 
 
 def new_epoch() -> int:
@@ -80,7 +94,8 @@ class Agent:
     def __init__(self, agent_id: str, transport: Transport, *, default_timeout_s: float = 30.0,
                  cancel_wait_s: float = 10.0, retention_s: float = 60.0,
                  metrics: AgentMetrics | None = None, security: ChannelSecurity | None = None,
-                 grant_writes: bool = False):
+                 grant_writes: bool = False, local_socket: str = "",
+                 same_host_copy: bool = False):
         self.agent_id = agent_id
         self.metrics = metrics or AgentMetrics()
         self.epoch = new_epoch()
@@ -92,6 +107,11 @@ class Agent:
         # Mutual TLS: writes need this agent's grant; sends ask the destination for one.
         self.grants = GrantBook(ttl_s=GRANT_TTL_S) if grant_writes else None
         self._ask_grants = security is not None and bool(security.cert)
+        self.local_socket = local_socket
+        self.local_token = secrets.token_bytes(16)
+        self.same_host_copy = same_host_copy and bool(local_socket)
+        self.shm = ShmSender(agent_id, self.peers) if self.same_host_copy else None
+        self.shm_sink: WriteSink = AgentSink(self, "shm")
         self._contact = PeerContact(agent_id)
         self._pools: dict[str, Pool] = {}
         self._lock = threading.Lock()
@@ -102,20 +122,29 @@ class Agent:
 
     def start(self) -> None:
         """Start the transport's receiving side and the lease sweeper."""
-        sink = traced_sink(self, self.agent_id, self.transport.name)
+        self.shm_sink = self._guarded(AgentSink(self, "shm"), "shm")
+        contact = self.transport.start(self._guarded(AgentSink(self, self.transport.name),
+                                                     self.transport.name))
+        self._contact = replace(contact, agent_id=self.agent_id)
+        self._janitor.start()
+        log.info("agent %s up: epoch %d, transport %s, local socket %s, same-host copy %s",
+                 self.agent_id, self.epoch, self.transport.name, self.local_socket or "none",
+                 "on" if self.same_host_copy else "off")
+
+    def _guarded(self, sink: WriteSink, transport: str) -> WriteSink:
+        """The sink with a kv.receive span per write, and the write grants under mutual TLS."""
+        sink = traced_sink(sink, self.agent_id, transport)
         if self.grants is not None:
             sink = GrantedSink(sink, self.grants,
                                lambda: self.metrics.failed("unauthorized", "receive"))
-        contact = self.transport.start(sink)
-        self._contact = replace(contact, agent_id=self.agent_id)
-        self._janitor.start()
-        log.info("agent %s up: epoch %d, transport %s", self.agent_id, self.epoch,
-                 self.transport.name)
+        return sink
 
     def close(self) -> None:
         """Stop the transport, forget peers, unmap pools. Safe to call twice."""
         self._stop.set()
         self.transport.close()
+        if self.shm is not None:
+            self.shm.close()
         self.peers.close()
         with self._lock:
             pools, self._pools = list(self._pools.values()), {}
@@ -127,11 +156,13 @@ class Agent:
         with self._lock:
             pool_ids = tuple(self._pools)
         return AgentInfo(self.agent_id, self.epoch, self._contact.ucx_worker_address,
-                         self._contact.tcp_address, self.transport.name, pool_ids)
+                         self._contact.tcp_address, self.transport.name, pool_ids,
+                         self.local_socket, self.local_token, self.same_host_copy)
 
     def register_pool(self, worker_id: str, shm_name: str, num_pages: int, page_bytes: int,
                       fingerprint: LayoutFingerprint) -> str:
-        """Map a worker's pool; returns its pool id. A worker's newer pool replaces its older."""
+        """Map a named pool (RegisterPool over gRPC); returns its pool id. Registering the same
+        pool again returns the same id."""
         if not worker_id or not shm_name:
             raise BadRequest("worker_id and shm_name are required")
         with self._lock:
@@ -140,24 +171,54 @@ class Agent:
                         pool.fingerprint) == (worker_id, shm_name, num_pages, page_bytes,
                                               fingerprint):
                     return pool.pool_id
+        return self.add_pool(worker_id, map_by_name(shm_name, num_pages, page_bytes), num_pages,
+                             page_bytes, fingerprint).pool_id
+
+    def add_pool(self, worker_id: str, segment: SharedSegment, num_pages: int, page_bytes: int,
+                 fingerprint: LayoutFingerprint) -> Pool:
+        """Take a mapped segment as the worker's pool (closed here if refused). A worker's newer
+        pool replaces its older one."""
+        if not worker_id:
+            segment.close()
+            raise BadRequest("worker_id is required")
+        with self._lock:
             self._next_pool += 1
             pool_id = f"{worker_id}/{self._next_pool}"
-        pool = Pool(pool_id, worker_id, shm_name, num_pages, page_bytes, fingerprint)
+        try:
+            pool = Pool(pool_id, worker_id, segment, num_pages, page_bytes, fingerprint)
+        except BaseException:
+            segment.close()
+            raise
         with self._lock:
             replaced = [p for p in self._pools.values() if p.worker_id == worker_id]
             for old in replaced:
                 del self._pools[old.pool_id]
             self._pools[pool_id] = pool
         for old in replaced:
-            old.close()
-        log.info("pool %s registered: %s, %d pages of %d bytes", pool_id, shm_name, num_pages,
-                 page_bytes)
-        return pool_id
+            self._retire(old)
+        log.info("pool %s registered: %s, %d pages of %d bytes", pool_id,
+                 segment.name or "nameless segment", num_pages, page_bytes)
+        return pool
+
+    def drop_pool(self, pool_id: str) -> bool:
+        """Forget a pool whose worker is gone (its local connection closed); False if unknown."""
+        with self._lock:
+            pool = self._pools.pop(pool_id, None)
+        if pool is None:
+            return False
+        self._retire(pool)
+        log.info("pool %s dropped: its worker's connection closed", pool_id)
+        return True
+
+    def _retire(self, pool: Pool) -> None:
+        if self.shm is not None:  # same-host peers unmap it once their connections close
+            self.shm.forget_pool(pool.pool_id)
+        pool.close()
 
     def expect(self, key: TicketKey, pool_id: str, page_ids: Sequence[int], lease_ms: float) -> int:
         """Accept writes for `key` into these pages until the lease passes; returns the epoch."""
-        pool = self._pool(pool_id)
-        _check_pages(page_ids, pool.num_pages, "page_ids")
+        pool = self.pool(pool_id)
+        check_pages(page_ids, pool.num_pages, "page_ids")
         if not 0 < lease_ms <= MAX_LEASE_S * 1e3:
             raise BadRequest(f"lease_ms must be in (0, {MAX_LEASE_S * 1e3:.0f}], got {lease_ms:g}")
         self.tickets.expect(key, pool_id, page_ids, lease_ms / 1e3)
@@ -201,10 +262,10 @@ class Agent:
         if timeout_ms < 0:
             raise BadRequest(f"timeout_ms must be >= 0 (0 = default), got {timeout_ms:g}")
         timeout_s = timeout_ms / 1e3 if timeout_ms > 0 else self.default_timeout_s
-        pool = self._pool(src_pool_id)
+        pool = self.pool(src_pool_id)
         if not src_page_ids:
             raise BadRequest("src_page_ids is empty")
-        _check_pages(src_page_ids, pool.num_pages, "src_page_ids")
+        check_pages(src_page_ids, pool.num_pages, "src_page_ids")
         if dest.fingerprint is not None:
             expect_same(pool.fingerprint, dest.fingerprint, "source", "destination")
         try:
@@ -218,58 +279,88 @@ class Agent:
             dst_pool_id=dest.pool_id, fingerprint=pool.fingerprint, page_bytes=pool.page_bytes,
             dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3,
             traceparent=tracing.traceparent(), sender=self.agent_id)
-        views = [pool.pages(r.src_start, r.num_pages) for r in runs]
         if dest.agent_epoch == self.epoch:
-            self._copy_local(header, views)
+            self._copy_local(header, pool, runs)
             transport, peer = "local", self.agent_id
         else:
-            peer = self._send_remote(dest, header, views, time.monotonic() + timeout_s)
-            transport = self.transport.name
-        report = TransferReport((time.perf_counter() - started) * 1e3, header.kv_bytes,
-                                len(src_page_ids), transport, len(runs))
+            transport, peer = self._send_remote(dest, header, pool, runs,
+                                                time.monotonic() + timeout_s)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        report = TransferReport(elapsed_ms, header.kv_bytes, len(src_page_ids), transport,
+                                len(runs), elapsed_ms)
         outcome(log, "handoff", level=logging.DEBUG, request_id=key.request_id,
                 handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes, runs=report.num_runs,
                 transport=transport)
         return report, peer
 
-    def _copy_local(self, header: WriteHeader, views: list[np.ndarray]) -> None:
-        write = self.accept(header)
+    def _copy_local(self, header: WriteHeader, pool: Pool, runs: list[PageRun]) -> None:
+        sink = AgentSink(self, "local")
+        write = sink.accept(header)
         ok = False
         try:
-            for src, dst in zip(views, write.dst_views):
-                np.copyto(dst, src)
+            for run, dst in zip(runs, write.dst_views):
+                np.copyto(dst, pool.pages(run.src_start, run.num_pages))
             ok = True
         finally:
-            self._finish(write, ok, "local")
+            sink.finish(write, ok)
 
-    def _send_remote(self, dest: Destination, header: WriteHeader, views: list[np.ndarray],
-                     deadline: float) -> str:
-        """Push the handoff to the destination's agent; returns that agent's id."""
+    def _send_remote(self, dest: Destination, header: WriteHeader, pool: Pool,
+                     runs: list[PageRun], deadline: float) -> tuple[str, str]:
+        """Move the runs to another agent; returns the path taken ("shm" or the transport)
+        and that agent's id."""
         for attempt in range(2):
             peer = self.peers.lookup(dest.agent_address, dest.agent_epoch)
-            if peer.transport != self.transport.name:
-                raise TransportMismatch(f"this agent moves pages over {self.transport.name}, "
-                                        f"agent {peer.agent_id} at {peer.address} over "
-                                        f"{peer.transport}; run both with the same --transport")
             if self._ask_grants:
                 header = replace(header, grant=self.peers.grant(
                     dest.agent_address, header.ticket, self._contact.ucx_worker_address))
             try:
+                if self.shm is not None and self.shm.usable(peer) and self._send_same_host(
+                        peer, replace(header, reply_to=self._contact.ucx_worker_address), pool,
+                        runs, deadline):
+                    return "shm", peer.agent_id
+                if peer.transport != self.transport.name:
+                    raise TransportMismatch(
+                        f"this agent moves pages over {self.transport.name}, agent "
+                        f"{peer.agent_id} at {peer.address} over {peer.transport}; run both "
+                        "with the same --transport")
+                views = [pool.pages(r.src_start, r.num_pages) for r in runs]
                 self.transport.send(peer.contact, header, views,
                                     max(0.001, deadline - time.monotonic()),
                                     liveness=self._liveness(dest))
-                return peer.agent_id
+                return self.transport.name, peer.agent_id
             except (PeerUnavailable, StaleEpoch) as exc:
                 self.peers.forget(dest.agent_address)
                 self.transport.forget(peer.contact)
+                if self.shm is not None:
+                    self.shm.forget(dest.agent_address)
                 retry = isinstance(exc, PeerUnavailable) and exc.retryable
                 if attempt or not retry or time.monotonic() >= deadline:
                     raise
                 log.info("handoff to %s: %s; asking the agent again", dest.agent_address, exc)
                 header = replace(header, xfer_id=secrets.randbits(36))
-        raise AssertionError("unreachable: the second attempt returns or raises")
+        raise AssertionError("unreachable")
+
+    def _send_same_host(self, peer: PeerInfo, header: WriteHeader, pool: Pool,
+                        runs: list[PageRun], deadline: float) -> bool:
+        """The same-host copy; False (and the peer remembered as remote) when it cannot be
+        used, so the caller falls back to the network transport."""
+        assert self.shm is not None
+        try:
+            self.shm.send(peer, header, pool, runs, deadline, self._liveness_of(peer))
+            return True
+        except SegmentUnavailable as exc:
+            self.shm.mark_remote(peer)
+            log.info("agent %s at %s is not reachable on this host (%s): handoffs to it go "
+                     "over %s", peer.agent_id, peer.address, exc, self.transport.name)
+            return False
 
     def _liveness(self, dest: Destination) -> Callable[[], None]:
+        return self._check_alive(dest.agent_address, dest.agent_epoch)
+
+    def _liveness_of(self, peer: PeerInfo) -> Callable[[], None]:
+        return self._check_alive(peer.address, peer.epoch)
+
+    def _check_alive(self, address: str, epoch: int) -> Callable[[], None]:
         """Raise StaleEpoch at once if the destination restarted, PeerUnavailable once its
         agent missed LIVENESS_FAILURES checks in a row."""
         failures = 0
@@ -277,7 +368,7 @@ class Agent:
         def check() -> None:
             nonlocal failures
             try:
-                self.peers.check(dest.agent_address, dest.agent_epoch)
+                self.peers.check(address, epoch)
                 failures = 0
             except PeerUnavailable:
                 failures += 1
@@ -285,52 +376,8 @@ class Agent:
                     raise
         return check
 
-    # ---- receiving (the transport's WriteSink) -----------------------------------------
-    def accept(self, header: WriteHeader) -> IncomingWrite:
-        """Check an incoming handoff against what `expect` registered; open the write."""
-        try:
-            return self._accept(header)
-        except Exception as exc:
-            self.metrics.failed(cause(exc), "receive")
-            raise
-
-    def _accept(self, header: WriteHeader) -> IncomingWrite:
-        if header.dst_agent_epoch != self.epoch:
-            raise StaleEpoch(f"agent {self.agent_id} is at epoch {self.epoch}, the handoff was "
-                             f"addressed to epoch {header.dst_agent_epoch}: the agent restarted "
-                             "since the pages were reserved")
-        pool = self._pool(header.dst_pool_id)
-        expect_same(pool.fingerprint, header.fingerprint, "destination", "source")
-        if header.page_bytes != pool.page_bytes:
-            raise BadRequest(f"page_bytes: source {header.page_bytes} != destination "
-                             f"{pool.page_bytes}")
-        try:
-            page_ids = expand(header.dst_runs)
-        except ValueError as exc:
-            raise BadRequest(f"destination runs: {exc}") from None
-        _check_pages(page_ids, pool.num_pages, "destination pages")
-        exp = self.tickets.begin_write(header.ticket, pool.pool_id, page_ids)
-        views = [pool.pages(start, n) for start, n in header.dst_runs]
-        return IncomingWrite(header, views, exp.abort, exp)
-
-    def finish(self, write: IncomingWrite, ok: bool) -> None:
-        self._finish(write, ok, self.transport.name)
-
-    def _finish(self, write: IncomingWrite, ok: bool, transport: str) -> None:
-        kv_bytes = write.header.kv_bytes
-        try:
-            self.tickets.finish_write(write.handle, ok, kv_bytes)
-        except Exception as exc:
-            self.metrics.failed(cause(exc), "receive")
-            raise
-        if ok:
-            self.metrics.received(transport, kv_bytes, sum(n for _, n in write.header.dst_runs),
-                                  write.header.sender)
-        else:
-            self.metrics.failed("incomplete", "receive")
-
     # ---- internals --------------------------------------------------------------------
-    def _pool(self, pool_id: str) -> Pool:
+    def pool(self, pool_id: str) -> Pool:
         with self._lock:
             pool = self._pools.get(pool_id)
         if pool is None:
@@ -343,10 +390,3 @@ class Agent:
             self.tickets.sweep()
             if self.grants is not None:
                 self.grants.sweep()
-
-
-def _check_pages(page_ids: Sequence[int], num_pages: int, what: str) -> None:
-    try:
-        check_page_ids(page_ids, num_pages, what)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None

@@ -25,6 +25,15 @@ class AgentConfig(ServerConfig):
     ucx_error_handling: bool = option(False, "UCX peer-error handling: survives a peer dying "
                                              "mid-copy, but disables shared memory and CMA "
                                              "(loopback TCP even on one host)")
+    local_socket: str = option("", "Unix socket for this host's workers (their pools' "
+                                   "descriptors, the per-handoff calls) and same-host peers: a "
+                                   "path (e.g. in a volume the worker's and peers' pods share), "
+                                   "or @NAME in the abstract namespace (shared by one network "
+                                   "namespace only); default @pdserve-kvtransfer-PORT")
+    same_host_copy: bool = option(True, "when a peer agent's local socket is reachable from "
+                                        "here (same host), copy pages straight from the "
+                                        "sender's pool (one memory copy) instead of the network "
+                                        "transport")
     default_timeout_s: float = option(30.0, "handoff timeout when SendPages gives none (s)")
     cancel_wait_s: float = option(10.0, "longest CancelTransfer waits for an in-flight write (s)")
     grace_s: float = option(10.0, "on SIGTERM, how long in-flight calls may take to finish (s)")
@@ -35,6 +44,8 @@ class AgentConfig(ServerConfig):
         require(0 <= self.data_port <= 65535, "data_port", self.data_port, "0..65535")
         require(bool(self.advertise_host) and self.advertise_host not in ("0.0.0.0", "::"),
                 "advertise_host", self.advertise_host, "an address peers can connect to")
+        require(not self.local_socket.startswith("@") or len(self.local_socket) > 1,
+                "local_socket", self.local_socket, "a path or @NAME")
         for name in ("default_timeout_s", "cancel_wait_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
 

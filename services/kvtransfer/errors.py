@@ -79,6 +79,11 @@ class PeerUnavailable(KvTransferError):
         self.retryable = retryable
 
 
+class SegmentUnavailable(KvTransferError):
+    """The same-host path cannot be used for this peer (its socket is unreachable or belongs
+    to another agent, or the sender's pool cannot be mapped there): fall back to the network."""
+
+
 def _kinds() -> dict[str, type[KvTransferError]]:
     found: dict[str, type[KvTransferError]] = {}
     todo: list[type[KvTransferError]] = [KvTransferError]
@@ -102,6 +107,7 @@ _CAUSES: tuple[tuple[type[KvTransferError], str], ...] = (  # subclasses before 
     (LayoutMismatch, "layout_mismatch"), (BadRequest, "bad_request"),
     (UnknownPool, "unknown_pool"), (UnknownTicket, "unknown_ticket"), (NotFound, "not_found"),
     (TransferTimeout, "timeout"), (PeerUnavailable, "unreachable"),
+    (SegmentUnavailable, "segment_unavailable"),
 )
 
 
@@ -112,3 +118,18 @@ def cause(exc: BaseException) -> str:
         if isinstance(exc, kind):
             return name
     return "internal"
+
+
+_STATUS: tuple[tuple[type[KvTransferError], str], ...] = (
+    (BadRequest, "INVALID_ARGUMENT"), (Unauthorized, "PERMISSION_DENIED"),
+    (NotFound, "NOT_FOUND"), (Refused, "FAILED_PRECONDITION"),
+    (TransferTimeout, "DEADLINE_EXCEEDED"), (PeerUnavailable, "UNAVAILABLE"),
+)
+
+
+def status_name(exc: KvTransferError) -> str:
+    """The gRPC status code name an error maps to (INVALID_ARGUMENT, ...; INTERNAL otherwise)."""
+    for kind, name in _STATUS:
+        if isinstance(exc, kind):
+            return name
+    return "INTERNAL"

@@ -1,8 +1,9 @@
 """`python -m pdserve.kvtransfer.main`: the per-host KV transfer agent process.
 
-Starts the data path (UCX worker or TCP listener), then serves pdserve.v1.KVTransfer with
-health and reflection through the shared bootstrap; on SIGTERM/SIGINT health turns
-NOT_SERVING, in-flight calls get `--grace-s`, then the transport stops and pools are unmapped.
+Starts the data path (UCX worker or TCP listener) and the local socket (workers' pools and
+fast lane, same-host peers), then serves pdserve.v1.KVTransfer with health and reflection
+through the shared bootstrap; on SIGTERM/SIGINT health turns NOT_SERVING, in-flight calls get
+`--grace-s`, then the local socket and the transport stop and pools are unmapped.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pdserve.common.server import ServerStartError, start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.kvtransfer.agent import Agent
 from pdserve.kvtransfer.config import SERVICE, AgentConfig
+from pdserve.kvtransfer.local import LocalServer, default_address
 from pdserve.kvtransfer.servicer import KVTransferServicer
 from pdserve.kvtransfer.transport import Transport
 from pdserve.v1 import kvtransfer_pb2_grpc
@@ -43,13 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(AgentConfig, SERVICE, argv, prog="pdserve kvtransfer")
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     setup_tracing("pdserve-kvtransfer", instance_id=cfg.name)
+    local_socket = cfg.local_socket or default_address(cfg.port)
     agent = Agent(cfg.name, make_transport(cfg), default_timeout_s=cfg.default_timeout_s,
                   cancel_wait_s=cfg.cancel_wait_s, security=ChannelSecurity.from_options(cfg),
-                  grant_writes=bool(cfg.tls_ca) and cfg.tls_client_auth)
+                  grant_writes=bool(cfg.tls_ca) and cfg.tls_client_auth,
+                  local_socket=local_socket, same_host_copy=cfg.same_host_copy)
+    local = LocalServer(agent, local_socket)
     try:
         agent.start()
     except (OSError, RuntimeError) as exc:
         log.error("cannot start the %s data path: %s", cfg.transport, exc)
+        agent.close()
+        return 1
+    try:
+        local.start()
+    except OSError as exc:
+        log.error("cannot listen on the local socket %s: %s (--local-socket)", local_socket, exc)
         agent.close()
         return 1
     servicer = KVTransferServicer(agent)
@@ -64,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         if metrics is not None:
             metrics.close()
+        local.close()
         agent.close()
         return 1
     try:
@@ -71,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        local.close()
         agent.close()
         shutdown_tracing()
         log.info("agent %s stopped", agent.agent_id)

@@ -43,6 +43,9 @@ class PeerInfo:
     epoch: int
     transport: str
     contact: PeerContact
+    local_socket: str = ""  # reachable from this host only if the peer shares it
+    local_token: bytes = b""
+    same_host_copy: bool = False
 
 
 class PeerDirectory:
@@ -80,7 +83,8 @@ class PeerDirectory:
             raise PeerUnavailable(f"kvtransfer agent at {address} did not answer GetAgentInfo: "
                                   f"{exc.code().name}: {exc.details()}", retryable=True) from None
         info = PeerInfo(address, reply.agent_id, reply.epoch, reply.transport,
-                        PeerContact(reply.agent_id, reply.ucx_worker_address, reply.tcp_address))
+                        PeerContact(reply.agent_id, reply.ucx_worker_address, reply.tcp_address),
+                        reply.local_socket, reply.local_token, reply.same_host_copy)
         with self._lock:
             self._infos[address] = info
         return info

@@ -18,26 +18,17 @@ from typing import Any, TypeVar
 
 import grpc
 from pdserve.common import errors as svc
-from pdserve.common import tracing
+from pdserve.common import wire
 from pdserve.common.handoff import Destination
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.security import peer_identity
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer import errors
 from pdserve.kvtransfer.agent import Agent
+from pdserve.kvtransfer.traced import send_span
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_CODES: tuple[tuple[type[errors.KvTransferError], type[svc.ServiceError]], ...] = (
-    (errors.BadRequest, svc.InvalidArgument),
-    (errors.Unauthorized, svc.PermissionDenied),
-    (errors.NotFound, svc.NotFound),
-    (errors.Refused, svc.FailedPrecondition),
-    (errors.TransferTimeout, svc.DeadlineExceeded),
-    (errors.PeerUnavailable, svc.Unavailable),
-)
-
 
 def _status(handler: F) -> F:
     """Re-raise the agent's errors as the ServiceError of their status code."""
@@ -46,10 +37,7 @@ def _status(handler: F) -> F:
         try:
             return handler(self, request, context)
         except errors.KvTransferError as exc:
-            for kind, service_error in _CODES:
-                if isinstance(exc, kind):
-                    raise service_error(exc.message) from None
-            raise svc.ServiceError(exc.message) from None
+            raise svc.ServiceError(exc.message, errors.status_name(exc)) from None
     return call  # type: ignore[return-value]
 
 
@@ -93,7 +81,10 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
         return kvtransfer_pb2.AgentInfo(agent_id=info.agent_id, epoch=info.epoch,
                                         ucx_worker_address=info.ucx_worker_address,
                                         tcp_address=info.tcp_address, transport=info.transport,
-                                        pool_ids=list(info.pool_ids))
+                                        pool_ids=list(info.pool_ids),
+                                        local_socket=info.local_socket,
+                                        local_token=info.local_token,
+                                        same_host_copy=info.same_host_copy)
 
     @_status
     def ExpectTransfer(self, request: kvtransfer_pb2.ExpectTransferRequest,
@@ -126,14 +117,10 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
 
     def SendPages(self, request: kvtransfer_pb2.SendPagesRequest,
                   context: grpc.ServicerContext) -> kvtransfer_pb2.SendPagesResponse:
-        with tracing.span("kv.send", kind=tracing.SERVER, request_id=request.ticket.request_id,
-                          agent_id=self.agent.agent_id, dst_agent=request.destination.agent_address,
-                          kv_pages=len(request.src_page_ids)) as span:
+        with send_span(self.agent.agent_id, request.ticket.request_id,
+                       request.destination.agent_address, len(request.src_page_ids)) as span:
             reply = self._send_pages(request, context)
-            r = reply.report
-            span.set_attributes({"kv_bytes": r.kv_bytes, "kv_pages": r.kv_pages,
-                                 "kv_transport": r.transport, "num_runs": r.num_runs,
-                                 "handoff_ms": r.handoff_ms, "kv_transfer_ms": r.handoff_ms})
+            span.report(wire.report_from_pb(reply.report))
             return reply
 
     @_status
@@ -144,6 +131,4 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer):
                            fingerprint(d.fingerprint) if d.HasField("fingerprint") else None)
         report = self.agent.send_pages(ticket_key(request.ticket), request.src_pool_id,
                                        list(request.src_page_ids), dest, request.timeout_ms)
-        return kvtransfer_pb2.SendPagesResponse(report=common_pb2.TransferReport(
-            handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes, kv_pages=report.kv_pages,
-            transport=report.transport, num_runs=report.num_runs))
+        return kvtransfer_pb2.SendPagesResponse(report=wire.report_to_pb(report))

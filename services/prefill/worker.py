@@ -41,8 +41,12 @@ class PrefillWorker:
 
     def register(self) -> None:
         pool = self.engine.pool
-        self.pool_id, _ = self.agent.register_pool(self.worker_id, pool.shm_name, pool.num_pages,
-                                                   pool.page_bytes, pool.fingerprint)
+        self.pool_id, _ = self.agent.register_pool(
+            self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
+            on_registered=self._registered)
+
+    def _registered(self, pool_id: str, agent_epoch: int) -> None:
+        self.pool_id = pool_id  # again after an agent restart
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,5 +235,3 @@ def _kind(value: Any) -> str:
 def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
-
-Parser = Callable[[Mapping[str, Any], str], OpenAIRequest]

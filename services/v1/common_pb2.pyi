@@ -69,18 +69,20 @@ class KVDestination(_message.Message):
     def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ...) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs")
+    __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs", "kv_transfer_total_ms")
     HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     handoff_ms: float
     kv_bytes: int
     kv_pages: int
     transport: str
     num_runs: int
-    def __init__(self, handoff_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., transport: _Optional[str] = ..., num_runs: _Optional[int] = ...) -> None: ...
+    kv_transfer_total_ms: float
+    def __init__(self, handoff_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., transport: _Optional[str] = ..., num_runs: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kvtransfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xae\x01\n\x13RegisterPoolRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x03 \x01(\x0c\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x12\n\npage_bytes\x18\x05 \x01(\x03\x12\x32\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x1d.pdserve.v1.LayoutFingerprint\"N\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x02 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\"\x15\n\x13GetAgentInfoRequest\"\x82\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x13\n\x0btcp_address\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x10\n\x08pool_ids\x18\x06 \x03(\t\"p\n\x15\x45xpectTransferRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\x05\x12\x10\n\x08lease_ms\x18\x04 \x01(\x01\"-\n\x16\x45xpectTransferResponse\x12\x13\n\x0b\x61gent_epoch\x18\x01 \x01(\x04\";\n\x15\x43\x61ncelTransferRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"C\n\x16\x43\x61ncelTransferResponse\x12\x13\n\x0bwas_pending\x18\x01 \x01(\x08\x12\x14\n\x0cwas_complete\x18\x02 \x01(\x08\";\n\x15TransferStatusRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"W\n\x16TransferStatusResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x19\n\x11\x63ompleted_unix_ms\x18\x03 \x01(\x01\"\xa5\x01\n\x10SendPagesRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x13\n\x0bsrc_pool_id\x18\x02 \x01(\t\x12\x14\n\x0csrc_page_ids\x18\x03 \x03(\x05\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x01\"?\n\x11SendPagesResponse\x12*\n\x06report\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferReport\"I\n\x11GrantWriteRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x10\n\x08reply_to\x18\x02 \x01(\x0c\"#\n\x12GrantWriteResponse\x12\r\n\x05grant\x18\x01 \x01(\x0c\x32\xc9\x04\n\nKVTransfer\x12Q\n\x0cRegisterPool\x12\x1f.pdserve.v1.RegisterPoolRequest\x1a .pdserve.v1.RegisterPoolResponse\x12\x46\n\x0cGetAgentInfo\x12\x1f.pdserve.v1.GetAgentInfoRequest\x1a\x15.pdserve.v1.AgentInfo\x12W\n\x0e\x45xpectTransfer\x12!.pdserve.v1.ExpectTransferRequest\x1a\".pdserve.v1.ExpectTransferResponse\x12W\n\x0e\x43\x61ncelTransfer\x12!.pdserve.v1.CancelTransferRequest\x1a\".pdserve.v1.CancelTransferResponse\x12W\n\x0eTransferStatus\x12!.pdserve.v1.TransferStatusRequest\x1a\".pdserve.v1.TransferStatusResponse\x12H\n\tSendPages\x12\x1c.pdserve.v1.SendPagesRequest\x1a\x1d.pdserve.v1.SendPagesResponse\x12K\n\nGrantWrite\x12\x1d.pdserve.v1.GrantWriteRequest\x1a\x1e.pdserve.v1.GrantWriteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/kvtransfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xae\x01\n\x13RegisterPoolRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x03 \x01(\x0c\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x12\n\npage_bytes\x18\x05 \x01(\x03\x12\x32\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x1d.pdserve.v1.LayoutFingerprint\"N\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_epoch\x18\x02 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\"\x15\n\x13GetAgentInfoRequest\"\xc5\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1a\n\x12ucx_worker_address\x18\x03 \x01(\x0c\x12\x13\n\x0btcp_address\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x10\n\x08pool_ids\x18\x06 \x03(\t\x12\x14\n\x0clocal_socket\x18\x07 \x01(\t\x12\x13\n\x0blocal_token\x18\x08 \x01(\x0c\x12\x16\n\x0esame_host_copy\x18\t \x01(\x08\"p\n\x15\x45xpectTransferRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\x05\x12\x10\n\x08lease_ms\x18\x04 \x01(\x01\"-\n\x16\x45xpectTransferResponse\x12\x13\n\x0b\x61gent_epoch\x18\x01 \x01(\x04\";\n\x15\x43\x61ncelTransferRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"C\n\x16\x43\x61ncelTransferResponse\x12\x13\n\x0bwas_pending\x18\x01 \x01(\x08\x12\x14\n\x0cwas_complete\x18\x02 \x01(\x08\";\n\x15TransferStatusRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\"W\n\x16TransferStatusResponse\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x19\n\x11\x63ompleted_unix_ms\x18\x03 \x01(\x01\"\xa5\x01\n\x10SendPagesRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x13\n\x0bsrc_pool_id\x18\x02 \x01(\t\x12\x14\n\x0csrc_page_ids\x18\x03 \x03(\x05\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x12\n\ntimeout_ms\x18\x05 \x01(\x01\"?\n\x11SendPagesResponse\x12*\n\x06report\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferReport\"I\n\x11GrantWriteRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x10\n\x08reply_to\x18\x02 \x01(\x0c\"#\n\x12GrantWriteResponse\x12\r\n\x05grant\x18\x01 \x01(\x0c\x32\xc9\x04\n\nKVTransfer\x12Q\n\x0cRegisterPool\x12\x1f.pdserve.v1.RegisterPoolRequest\x1a .pdserve.v1.RegisterPoolResponse\x12\x46\n\x0cGetAgentInfo\x12\x1f.pdserve.v1.GetAgentInfoRequest\x1a\x15.pdserve.v1.AgentInfo\x12W\n\x0e\x45xpectTransfer\x12!.pdserve.v1.ExpectTransferRequest\x1a\".pdserve.v1.ExpectTransferResponse\x12W\n\x0e\x43\x61ncelTransfer\x12!.pdserve.v1.CancelTransferRequest\x1a\".pdserve.v1.CancelTransferResponse\x12W\n\x0eTransferStatus\x12!.pdserve.v1.TransferStatusRequest\x1a\".pdserve.v1.TransferStatusResponse\x12H\n\tSendPages\x12\x1c.pdserve.v1.SendPagesRequest\x1a\x1d.pdserve.v1.SendPagesResponse\x12K\n\nGrantWrite\x12\x1d.pdserve.v1.GrantWriteRequest\x1a\x1e.pdserve.v1.GrantWriteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,27 +39,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETAGENTINFOREQUEST']._serialized_start=325
   _globals['_GETAGENTINFOREQUEST']._serialized_end=346
   _globals['_AGENTINFO']._serialized_start=349
-  _globals['_AGENTINFO']._serialized_end=479
-  _globals['_EXPECTTRANSFERREQUEST']._serialized_start=481
-  _globals['_EXPECTTRANSFERREQUEST']._serialized_end=593
-  _globals['_EXPECTTRANSFERRESPONSE']._serialized_start=595
-  _globals['_EXPECTTRANSFERRESPONSE']._serialized_end=640
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=642
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=701
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=703
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=770
-  _globals['_TRANSFERSTATUSREQUEST']._serialized_start=772
-  _globals['_TRANSFERSTATUSREQUEST']._serialized_end=831
-  _globals['_TRANSFERSTATUSRESPONSE']._serialized_start=833
-  _globals['_TRANSFERSTATUSRESPONSE']._serialized_end=920
-  _globals['_SENDPAGESREQUEST']._serialized_start=923
-  _globals['_SENDPAGESREQUEST']._serialized_end=1088
-  _globals['_SENDPAGESRESPONSE']._serialized_start=1090
-  _globals['_SENDPAGESRESPONSE']._serialized_end=1153
-  _globals['_GRANTWRITEREQUEST']._serialized_start=1155
-  _globals['_GRANTWRITEREQUEST']._serialized_end=1228
-  _globals['_GRANTWRITERESPONSE']._serialized_start=1230
-  _globals['_GRANTWRITERESPONSE']._serialized_end=1265
-  _globals['_KVTRANSFER']._serialized_start=1268
-  _globals['_KVTRANSFER']._serialized_end=1853
+  _globals['_AGENTINFO']._serialized_end=546
+  _globals['_EXPECTTRANSFERREQUEST']._serialized_start=548
+  _globals['_EXPECTTRANSFERREQUEST']._serialized_end=660
+  _globals['_EXPECTTRANSFERRESPONSE']._serialized_start=662
+  _globals['_EXPECTTRANSFERRESPONSE']._serialized_end=707
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=709
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=768
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=770
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=837
+  _globals['_TRANSFERSTATUSREQUEST']._serialized_start=839
+  _globals['_TRANSFERSTATUSREQUEST']._serialized_end=898
+  _globals['_TRANSFERSTATUSRESPONSE']._serialized_start=900
+  _globals['_TRANSFERSTATUSRESPONSE']._serialized_end=987
+  _globals['_SENDPAGESREQUEST']._serialized_start=990
+  _globals['_SENDPAGESREQUEST']._serialized_end=1155
+  _globals['_SENDPAGESRESPONSE']._serialized_start=1157
+  _globals['_SENDPAGESRESPONSE']._serialized_end=1220
+  _globals['_GRANTWRITEREQUEST']._serialized_start=1222
+  _globals['_GRANTWRITEREQUEST']._serialized_end=1295
+  _globals['_GRANTWRITERESPONSE']._serialized_start=1297
+  _globals['_GRANTWRITERESPONSE']._serialized_end=1332
+  _globals['_KVTRANSFER']._serialized_start=1335
+  _globals['_KVTRANSFER']._serialized_end=1920
 # @@protoc_insertion_point(module_scope)

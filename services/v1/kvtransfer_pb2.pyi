@@ -38,20 +38,26 @@ class GetAgentInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "epoch", "ucx_worker_address", "tcp_address", "transport", "pool_ids")
+    __slots__ = ("agent_id", "epoch", "ucx_worker_address", "tcp_address", "transport", "pool_ids", "local_socket", "local_token", "same_host_copy")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_COPY_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     epoch: int
     ucx_worker_address: bytes
     tcp_address: str
     transport: str
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., tcp_address: _Optional[str] = ..., transport: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    local_socket: str
+    local_token: bytes
+    same_host_copy: bool
+    def __init__(self, agent_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ucx_worker_address: _Optional[bytes] = ..., tcp_address: _Optional[str] = ..., transport: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., local_token: _Optional[bytes] = ..., same_host_copy: _Optional[bool] = ...) -> None: ...
 
 class ExpectTransferRequest(_message.Message):
     __slots__ = ("ticket", "pool_id", "page_ids", "lease_ms")

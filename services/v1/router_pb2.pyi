@@ -51,7 +51,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms", "ttft_ms", "kv_bytes", "kv_pages", "kv_transport", "prefill_worker", "decode_worker", "attempts")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms", "ttft_ms", "kv_bytes", "kv_pages", "kv_transport", "prefill_worker", "decode_worker", "attempts", "kv_transfer_total_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class Timing(_message.Message):
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -74,7 +75,8 @@ class Timing(_message.Message):
     prefill_worker: str
     decode_worker: str
     attempts: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_start_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., attempts: _Optional[int] = ...) -> None: ...
+    kv_transfer_total_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_start_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "e2e_ms", "tpot_ms", "itl_mean_ms", "itl_max_ms")

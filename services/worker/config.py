@@ -27,6 +27,8 @@ class WorkerConfig(ServerConfig):
     kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent (a "
                                               "loopback host is advertised to other hosts' "
                                               "agents as --advertise-host)")
+    kv_agent_socket: str = option("", "the agent's local socket (its --local-socket: a path, "
+                                      "or @NAME); default: the one the agent advertises")
     worker_id: str = option("", "name in stats, traces and logs (default: "
                                 "role@advertise-host:port)")
     advertise_host: str = option("127.0.0.1", "address other hosts reach this worker and its "

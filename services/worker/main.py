@@ -84,9 +84,9 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
                                      kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
                                      max_num_seqs=cfg.max_num_seqs,
                                      max_prefill_tokens=cfg.max_prefill_tokens)
-    log.info("%s: model %s from %s, %d pages of %d bytes (%s), %d torch threads on cores %s",
+    log.info("%s: model %s from %s, %d pages of %d bytes, %d torch threads on cores %s",
              worker_id, engine.model.model_id, model_dir, engine.config.num_pages,
-             engine.pool.page_bytes, engine.pool.shm_name, threads,
+             engine.pool.page_bytes, threads,
              format_cpu_list(sorted(os.sched_getaffinity(0))))
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)
@@ -112,7 +112,8 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
 
 def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
     """The client of this host's kvtransfer agent (`--kv-agent`), once it answers."""
-    agent = AgentClient(cfg.kv_agent, security=ChannelSecurity.from_options(cfg))
+    agent = AgentClient(cfg.kv_agent, security=ChannelSecurity.from_options(cfg),
+                        socket_address=cfg.kv_agent_socket)
     try:
         agent.wait_ready(timeout_s=wait_s)
     except BaseException:

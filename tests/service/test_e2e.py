@@ -1,4 +1,6 @@
-"""The disaggregated path end to end: router → prefill → KV handoff (UCX / TCP) → decode.
+"""The disaggregated path end to end: router → prefill → KV handoff → decode, over each data
+path: `shm` (the default on one host: the agents find they share it) and UCX / TCP (the same
+stack with the same-host copy off).
 
 Real processes on loopback (`pdserve up`), the built-in tiny model, outputs checked token for
 token against transformers.
@@ -25,9 +27,11 @@ WORKER_ENV = {
 }
 
 
-@pytest.fixture(scope="module", params=["ucx", "tcp"])
+@pytest.fixture(scope="module", params=["shm", "ucx", "tcp"])
 def stack(request, tiny_model_dir):
-    with pdserve_stack("--transport", request.param, env=WORKER_ENV) as s:
+    flags = () if request.param == "shm" else (
+        "--transport", request.param, "--no-same-host-copy")
+    with pdserve_stack(*flags, env=WORKER_ENV) as s:
         s.transport = request.param
         yield s
 

@@ -87,18 +87,16 @@ def test_two_processes_see_the_same_pool_bytes():
             "import sys, torch\n"
             "from pdserve.engine.pool import KVPool, LayoutFingerprint\n"
             f"fp = LayoutFingerprint(**{FP.__dict__!r})\n"
-            f"pool = KVPool(fp, 8, attach_name={pool.shm_name!r})\n"
+            f"pool = KVPool(fp, 8, attach_fd={pool.fd})\n"
             "assert float(pool.tensor[3].flatten()[5]) == 5.0, 'reader saw other bytes'\n"
             "pool.tensor[6].fill_(2.5)\n"
             "pool.close()\n"
         )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, pass_fds=[pool.fd])
         assert torch.all(pool.tensor[6] == 2.5)  # the other process's write, no copy
-        assert pool.shm_name in leftover_segments()
+        assert leftover_segments(os.getpid()) == []  # nameless: nothing in /dev/shm, ever
     finally:
-        name = pool.shm_name
         pool.close()
-    assert name not in leftover_segments()
 
 
 def test_router_never_imports_torch():

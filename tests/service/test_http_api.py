@@ -127,6 +127,11 @@ def test_errors_come_in_openai_shape_naming_the_field(stack, client):
     assert total(scraped, "pdserve_requests_total", api="http", code="NOT_FOUND") == 1
     # The service keeps serving, and says so on /health.
     assert client.completions.create(model="builtin-tiny", prompt="x", max_tokens=2).usage
+    # Each API's requests under its own label: every request of this module came over HTTP.
+    scraped = stack.scrape("router")
+    assert total(scraped, "pdserve_ttft_seconds_count", api="http") == total(
+        scraped, "pdserve_requests_total", api="http", code="OK") >= 1
+    assert total(scraped, "pdserve_requests_total", api="grpc") == 0
     status, body = _get(stack, "/health")
     assert (status, body) == (200, {"status": "ok"})
 

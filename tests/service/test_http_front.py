@@ -4,6 +4,7 @@ lifecycle and scripted fake workers on loopback gRPC: the errors a real stack ra
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import ssl
@@ -20,6 +21,8 @@ from pdserve.common.server import ServerStartError
 from pdserve.router.http_app import HttpApi
 from pdserve.router.http_server import HttpServer
 
+from tests.support import wait_for
+
 pytestmark = pytest.mark.service
 
 KEY = "sk-test-0123456789"
@@ -27,18 +30,19 @@ KEY = "sk-test-0123456789"
 
 @pytest.fixture
 def front(stack, tmp_path):
-    """(script, base URL, lifecycle, server factory) for an HTTP server on a free port."""
+    """(script, start(keys, tls) -> base URL of a new HTTP server on a free port, lifecycle,
+    the servers started)."""
     script, _stub, lifecycle = stack
     executor = ThreadPoolExecutor(8)
     servers: list[HttpServer] = []
 
     def start(keys: ApiKeys | None = None, tls: TlsOptions | None = None) -> str:
         app = HttpApi(lifecycle, executor, ready=lambda: True, api_keys=keys).app()
-        server = HttpServer.start(app, "127.0.0.1", 0, tls=tls, grace_s=1)
+        server = HttpServer.start(app, "127.0.0.1", 0, tls=tls, grace_s=30)
         servers.append(server)
         return f"{server.scheme}://127.0.0.1:{server.port}"
 
-    yield script, start, lifecycle
+    yield script, start, lifecycle, servers
     for server in servers:
         server.stop(5)
     executor.shutdown(wait=False)
@@ -61,7 +65,7 @@ def _lower(headers) -> dict:
 
 
 def test_no_room_is_429_and_draining_is_503_both_with_retry_after(front):
-    script, start, lifecycle = front
+    script, start, lifecycle, _ = front
     url = start()
     script.exhausted = True
     status, headers, body = call(f"{url}/v1/completions", {"prompt": "hello"})
@@ -77,7 +81,7 @@ def test_no_room_is_429_and_draining_is_503_both_with_retry_after(front):
 
 
 def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(front):
-    script, start, _ = front
+    script, start, _, _ = front
     url = start()
     script.decode_fail_after = 2
     status, _, body = call(f"{url}/v1/completions", {"prompt": "hello", "stream": True,
@@ -92,7 +96,7 @@ def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(front):
 
 
 def test_api_keys_guard_everything_but_health_and_metrics(front, tmp_path):
-    _, start, _ = front
+    _, start, _, _ = front
     keys = tmp_path / "keys"
     keys.write_text(f"# one key\n{KEY}\n")
     url = start(keys=ApiKeys.from_file(str(keys)))
@@ -114,7 +118,7 @@ def test_api_keys_guard_everything_but_health_and_metrics(front, tmp_path):
 
 
 def test_https_with_the_services_certificate(front, tmp_path):
-    _, start, _ = front
+    _, start, _, _ = front
     certs: CertPaths = create(tmp_path / "certs")
     url = start(tls=TlsOptions(tls_cert=str(certs.server_cert), tls_key=str(certs.server_key)))
     assert url.startswith("https://")
@@ -136,7 +140,7 @@ def test_a_busy_port_fails_the_start_naming_the_flag():
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(front):
-    _, start, _ = front
+    _, start, _, _ = front
     url = start()
     status, _, body = call(f"{url}/v2/whatever")
     assert status == 404 and "no route /v2/whatever" in json.loads(body)["error"]["message"]
@@ -144,3 +148,34 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(front):
     assert status == 405 and "method GET is not allowed" in json.loads(body)["error"]["message"]
     status, _, body = call(f"{url}/v1/models/other")
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def test_draining_lets_streams_in_flight_finish_and_takes_no_new_connection(front):
+    script, start, lifecycle, _ = front
+    script.tokens = script.tokens * 10  # about 200 tokens, 5 ms apart
+    url = start()
+    port = int(url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "prompt": "hello", "stream": True, "max_tokens": len(script.tokens),
+        "return_token_ids": True}))
+    reply = conn.getresponse()
+    assert reply.readline().startswith(b"data: {")
+    lifecycle.stop_admitting()  # what SIGTERM does: the gRPC bootstrap's on_drain
+    _server_of(front, port).drain()
+    assert wait_for(lambda: not _accepts(port), timeout_s=10)  # no new connection...
+    rest = reply.read()  # ...while the stream in flight goes on to its end
+    conn.close()
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"length"' in rest
+    chunks = [json.loads(e[6:]) for e in rest.split(b"\n\n") if e.startswith(b"data: {")]
+    after = sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"])
+    assert after > len(script.tokens) // 4, "the stream had ended before the drain began"
+
+
+def _server_of(front, port: int) -> HttpServer:
+    return next(s for s in front[3] if s.port == port)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -1,7 +1,9 @@
-"""Real kvtransfer agents on loopback: handoffs land byte-exact, refusals write nothing.
+"""Real kvtransfer agents on loopback: handoffs land byte-exact, refusals write nothing, over
+each data path: `shm` (two agents of one host: the receiver copies out of the sender's pool)
+and `ucx` / `tcp` (the same agents with the same-host copy turned off).
 
-Pools are shared-memory segments created here and filled with known bytes; the agents map
-them by name, exactly as they map a worker's pool.
+Pools are nameless segments created here and filled with known bytes; they are handed to the
+agents as descriptors over their local sockets, exactly as a worker hands over its pool.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pdserve.common import localsock
 from pdserve.common.shm import SharedSegment, leftover_segments
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -39,7 +43,8 @@ def agent_argv(port: int, *extra: str) -> list[str]:
 
 
 class Pool:
-    """A shared-memory pool owned by the test, registered with an agent."""
+    """A nameless pool owned by the test, handed to an agent over its local socket (the pool
+    lives on the agent as long as `conn` does, as a worker's)."""
 
     def __init__(self, stub: kvtransfer_pb2_grpc.KVTransferStub, worker_id: str, seed: int,
                  num_pages: int = NUM_PAGES, fingerprint: common_pb2.LayoutFingerprint = FP):
@@ -47,14 +52,24 @@ class Pool:
         self.data = np.frombuffer(self.segment.buffer, dtype=np.uint8)
         self.data[:] = np.random.default_rng(seed).integers(0, 256, self.data.size, dtype=np.uint8)
         self.fingerprint = fingerprint
+        self.conn = None
         try:
-            reply = stub.RegisterPool(kvtransfer_pb2.RegisterPoolRequest(
-                worker_id=worker_id, shm_name=self.segment.name, num_pages=num_pages,
-                page_bytes=PAGE_BYTES, fingerprint=fingerprint), timeout=10)
-        except grpc.RpcError:
+            address = stub.GetAgentInfo(kvtransfer_pb2.GetAgentInfoRequest(),
+                                        timeout=10).local_socket
+            self.conn = localsock.connect(address, 10)
+            reply, _ = localsock.call(self.conn, {
+                "op": "register", "worker_id": worker_id, "num_pages": num_pages,
+                "page_bytes": PAGE_BYTES,
+                "fingerprint": json_format.MessageToDict(fingerprint,
+                                                         preserving_proto_field_name=True,
+                                                         always_print_fields_with_no_presence=True)},
+                fds=(self.segment.fd,))
+            if reply.get("error"):
+                raise RuntimeError(reply["message"])
+        except BaseException:
             self.close()
             raise
-        self.pool_id, self.agent_epoch = reply.pool_id, reply.agent_epoch
+        self.pool_id, self.agent_epoch = reply["pool_id"], reply["agent_epoch"]
 
     def page(self, i: int) -> np.ndarray:
         return self.data[i * PAGE_BYTES:(i + 1) * PAGE_BYTES]
@@ -63,7 +78,11 @@ class Pool:
         return self.data.copy()
 
     def close(self) -> None:
-        del self.data
+        """The worker goes away: the agent drops the pool. Safe to call twice."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        self.data = np.empty(0, dtype=np.uint8)
         self.segment.close()
 
 
@@ -85,7 +104,7 @@ def agent(port: int, *extra: str, env: dict[str, str] | None = None) -> Iterator
 
 @dataclass
 class Pair:
-    transport: str
+    transport: str  # the data path handoffs take: shm, ucx or tcp
     sender: Agent
     receiver: Agent
     src: Pool
@@ -99,12 +118,16 @@ def no_segments_left_behind() -> Iterator[None]:
     assert leftover_segments(os.getpid()) == []
 
 
-@pytest.fixture(scope="module", params=["ucx", "tcp"])
+@pytest.fixture(scope="module", params=["shm", "ucx", "tcp"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     transport = request.param
-    # The TCP agents take their transport from the environment twin of --transport.
-    extra, env = ((), {"PDSERVE_KVTRANSFER_TRANSPORT": "tcp"}) if transport == "tcp" else (
-        ("--transport", "ucx"), None)
+    # The TCP agents take their transport (and the same-host copy, off) from environment twins.
+    extra, env = {
+        "shm": (("--transport", "tcp"), None),
+        "ucx": (("--transport", "ucx", "--no-same-host-copy"), None),
+        "tcp": ((), {"PDSERVE_KVTRANSFER_TRANSPORT": "tcp",
+                     "PDSERVE_KVTRANSFER_SAME_HOST_COPY": "false"}),
+    }[transport]
     with agent(free_port(), *extra, env=env) as sender, \
             agent(free_port(), *extra, env=env) as receiver:
         src, dst = Pool(sender.stub, "prefill-0", seed=1), Pool(receiver.stub, "decode-0", seed=2)
@@ -177,11 +200,14 @@ def test_handoff_lands_byte_exact_and_nothing_else_changes(pair: Pair) -> None:
 
 def test_agent_info_health_and_reflection(pair: Pair) -> None:
     info = pair.receiver.stub.GetAgentInfo(kvtransfer_pb2.GetAgentInfoRequest(), timeout=10)
-    assert info.transport == pair.transport
+    network = "ucx" if pair.transport == "ucx" else "tcp"  # the shm pair's agents run TCP
+    assert info.transport == network
     assert info.epoch == pair.dst.agent_epoch
     assert pair.dst.pool_id in info.pool_ids
-    assert bool(info.ucx_worker_address) == (pair.transport == "ucx")
-    assert bool(info.tcp_address) == (pair.transport == "tcp")
+    assert bool(info.ucx_worker_address) == (network == "ucx")
+    assert bool(info.tcp_address) == (network == "tcp")
+    assert info.local_socket and len(info.local_token) == 16
+    assert info.same_host_copy == (pair.transport == "shm")
     with grpc.insecure_channel(pair.receiver.address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
@@ -324,13 +350,15 @@ def test_same_agent_copies_locally(pair: Pair) -> None:
         local.close()
 
 
-@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "ucx", "tcp"])
 def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(transport: str) -> None:
     port = free_port()
-    with agent(free_port(), "--transport", transport) as sender:
+    flags = ("--transport", "tcp") if transport == "shm" else (
+        "--transport", transport, "--no-same-host-copy")
+    with agent(free_port(), *flags) as sender:
         src = Pool(sender.stub, "prefill-r", seed=7, num_pages=8)
         try:
-            with agent(port, "--transport", transport) as receiver:
+            with agent(port, *flags) as receiver:
                 dst = Pool(receiver.stub, "decode-r", seed=8, num_pages=8)
                 pair = Pair(transport, sender, receiver, src, dst)
                 ticket = new_ticket()
@@ -339,7 +367,7 @@ def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(transpor
                 old_ticket = new_ticket()
                 expect(receiver, dst, old_ticket, [2])
                 dst.close()
-            with agent(port, "--transport", transport) as receiver:
+            with agent(port, *flags) as receiver:
                 dst = Pool(receiver.stub, "decode-r", seed=9, num_pages=8)
                 assert dst.agent_epoch != old_epoch
                 pair = Pair(transport, sender, receiver, src, dst)

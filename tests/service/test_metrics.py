@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
-    with pdserve_stack("--transport", "tcp") as s:
+    with pdserve_stack() as s:  # both agents on this host: the handoffs take the same-host copy
         yield s
 
 
@@ -71,7 +71,7 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     assert pages_all_free(stack, "prefill-0")
     after = scrape_all(stack)
     kv_bytes = sum(t.kv_bytes for t in timings)
-    assert kv_bytes > 0 and {t.kv_transport for t in timings} == {"tcp"}
+    assert kv_bytes > 0 and {t.kv_transport for t in timings} == {"shm"}
 
     def moved(name: str, metric: str, **labels: str) -> float:
         return after[name](metric, **labels) - before[name](metric, **labels)
@@ -84,7 +84,7 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     for metric in ("queue", "prefill", "decode_start", "tpot"):
         assert moved("router", f"pdserve_{metric}_seconds_count") == N, metric
     assert moved("router", "pdserve_ttft_seconds_count", api="grpc") == N
-    assert moved("router", "pdserve_kv_transfer_seconds_count", transport="tcp") == N
+    assert moved("router", "pdserve_kv_transfer_seconds_count", transport="shm") == N
     ttft_s = sum(t.ttft_ms for t in timings) / 1e3
     assert moved("router", "pdserve_ttft_seconds_sum", api="grpc") == pytest.approx(ttft_s,
                                                                                   rel=1e-6)
@@ -92,19 +92,19 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     assert moved("router", "pdserve_e2e_seconds_count", outcome="error", api="grpc") == 1
     assert N <= moved("router", "pdserve_itl_seconds_count") <= N * (MAX_TOKENS - 1)
     assert moved("router", "pdserve_itl_seconds_sum") > 0
-    assert moved("router", "pdserve_kv_bytes_total", transport="tcp") == kv_bytes
+    assert moved("router", "pdserve_kv_bytes_total", transport="shm") == kv_bytes
     assert moved("router", "pdserve_completion_tokens_total") == N * MAX_TOKENS
     # agents: host A (prefill) sent the bytes the Timing messages reported to host B's agent,
     # and host B received them from host A's (peer: the other agent's --agent-id)
-    assert moved("kvtransfer-a", "pdserve_kv_transfer_bytes_total", transport="tcp",
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_bytes_total", transport="shm",
                  direction="send", peer="host-b") == kv_bytes
-    assert moved("kvtransfer-b", "pdserve_kv_transfer_bytes_total", transport="tcp",
+    assert moved("kvtransfer-b", "pdserve_kv_transfer_bytes_total", transport="shm",
                  direction="receive", peer="host-a") == kv_bytes
-    assert moved("kvtransfer-a", "pdserve_kv_transfer_pages_total", transport="tcp",
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_pages_total", transport="shm",
                  direction="send", peer="host-b") == sum(t.kv_pages for t in timings)
-    assert moved("kvtransfer-a", "pdserve_kv_handoff_seconds_count", transport="tcp") == N
-    assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_count", transport="tcp") == N
-    assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_sum", transport="tcp") > 0
+    assert moved("kvtransfer-a", "pdserve_kv_handoff_seconds_count", transport="shm") == N
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_count", transport="shm") == N
+    assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_sum", transport="shm") > 0
     for agent in ("kvtransfer-a", "kvtransfer-b"):
         failures = [s for f in after[agent].families if f.name == "pdserve_kv_transfer_failures"
                     for s in f.samples if s.name.endswith("_total") and s.value]

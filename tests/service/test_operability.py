@@ -66,7 +66,8 @@ def test_grpcurl_streaming_generate_returns_text_and_timing(stack):
     finish = next(m["finish"] for m in messages if "finish" in m)
     assert sum(len(d.get("token_ids", [])) for d in deltas) == 8
     assert "".join(d.get("text", "") for d in deltas)
-    assert timing["kv_transport"] == "ucx" and float(timing["ttft_ms"]) > 0
+    # Both agents of `pdserve up` share this host: the default handoff is the same-host copy.
+    assert timing["kv_transport"] == "shm" and float(timing["ttft_ms"]) > 0
     assert int(timing["kv_bytes"]) > 0
     assert finish["finish_reason"] == "length" and finish["completion_tokens"] == 8
 
@@ -125,6 +126,17 @@ def test_sigterm_drains_a_decode_worker_with_streams_in_flight(tiny_model_dir):
         for ids, _text, _timing, finish in results:
             assert finish.finish_reason == "length" and len(ids) == 300
         assert "drain" in decode.output()
+        # Its pool went with it: host B's agent dropped (and unmapped) it.
+        assert wait_for(lambda: not _pool_ids(addr["agent_b"]), timeout_s=10)
     assert not [s for s in leftover_segments() if f"-{decode.proc.pid}-" in s]
+
+
+def _pool_ids(agent: str) -> list[str]:
+    import grpc
+    from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+    with grpc.insecure_channel(agent) as ch:
+        return list(kvtransfer_pb2_grpc.KVTransferStub(ch).GetAgentInfo(
+            kvtransfer_pb2.GetAgentInfoRequest(), timeout=10).pool_ids)
 
 

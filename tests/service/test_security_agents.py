@@ -1,7 +1,7 @@
 """kvtransfer agents with mutual TLS, as real processes: handoffs still land byte-exact over
-UCX and TCP; callers without a certificate from the CA are refused on the gRPC port and on the
-TCP data port; a UCX write lands only with the grant of its ticket, issued to the
-authenticated peer that sends it."""
+the same-host copy, UCX and TCP; callers without a certificate from the CA are refused on the
+gRPC port and on the TCP data port; a UCX write, and a same-host write on the local socket,
+land only with the grant of their ticket, issued to the authenticated peer that sends it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from pdserve.certs import CertPaths, create
+from pdserve.common import localsock
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.common.shm import leftover_segments
@@ -63,9 +64,12 @@ class TlsAgent:
 
 @contextlib.contextmanager
 def tls_agent(certs: CertPaths, transport: str) -> Iterator[TlsAgent]:
+    """`transport` shm: TCP agents with the same-host copy; ucx, tcp: without it."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    argv = agent_argv(port, "--transport", transport, "--tls-cert", str(certs.server_cert),
+    flags = ("--transport", "tcp") if transport == "shm" else (
+        "--transport", transport, "--no-same-host-copy")
+    argv = agent_argv(port, *flags, "--tls-cert", str(certs.server_cert),
                       "--tls-key", str(certs.server_key), "--tls-ca", str(certs.ca))
     security = service_security(certs)
     with running(argv, address, security=security) as proc, \
@@ -106,6 +110,12 @@ def tcp_pair(certs: CertPaths) -> Iterator[Pair]:
         yield pair
 
 
+@pytest.fixture(scope="module")
+def shm_pair(certs: CertPaths) -> Iterator[Pair]:
+    with agent_pair(certs, "shm") as pair:
+        yield pair
+
+
 _tickets = iter(range(1_000_000))
 
 
@@ -116,7 +126,7 @@ def expect(pair: Pair, pages: list[int]) -> common_pb2.Ticket:
     return ticket
 
 
-@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "ucx", "tcp"])
 def test_handoff_lands_byte_exact_over_mutual_tls(transport: str,
                                                   request: pytest.FixtureRequest) -> None:
     pair: Pair = request.getfixturevalue(f"{transport}_pair")
@@ -247,3 +257,32 @@ def test_a_ucx_write_lands_only_with_the_grant_of_its_ticket_for_its_sender(
             ticket=common_pb2.Ticket(request_id="never-expected", epoch=1)), timeout=5)
     assert unknown.value.code() == Code.NOT_FOUND
     assert "unknown ticket" in unknown.value.details()
+
+
+def test_a_same_host_write_lands_only_with_the_grant_of_its_ticket(shm_pair: Pair) -> None:
+    """The local socket takes any process of the agent's user; under mutual TLS a write that
+    arrives there still needs the grant of its ticket (asked for over mutual TLS)."""
+    pair = shm_pair
+    info = pair.receiver.stub.GetAgentInfo(kvtransfer_pb2.GetAgentInfoRequest(), timeout=5)
+    ticket = expect(pair, [33])
+    key = TicketKey(ticket.request_id, ticket.epoch)
+    header = WriteHeader(1, key, pair.dst.agent_epoch, pair.dst.pool_id, _fingerprint(),
+                         PAGE_BYTES, ((33, 1),), 5_000.0)
+    before = pair.dst.snapshot()
+    write = {"op": "shm_write", "src_pool": "forged", "src_num_pages": 8, "src_runs": [[0, 1]]}
+    with localsock.connect(info.local_socket, 5) as conn:
+        for grant in (b"", bytes(16)):
+            fd = pair.src.segment.readonly_fd()
+            reply, _ = localsock.call(conn, write, replace(header, grant=grant).encode(), (fd,))
+            os.close(fd)
+            assert reply["error"] == "Unauthorized", reply
+    assert np.array_equal(pair.dst.snapshot(), before)
+    # The agents themselves ask for the grant: their handoff lands.
+    report = pair.sender.stub.SendPages(kvtransfer_pb2.SendPagesRequest(
+        ticket=ticket, src_pool_id=pair.src.pool_id, src_page_ids=[4],
+        destination=common_pb2.KVDestination(
+            agent_address=pair.receiver.address, pool_id=pair.dst.pool_id, page_ids=[33],
+            agent_epoch=pair.dst.agent_epoch, fingerprint=FP), timeout_ms=10_000),
+        timeout=15).report
+    assert report.transport == "shm"
+    assert np.array_equal(pair.dst.page(33), pair.src.page(4))

@@ -36,11 +36,12 @@ class FakeAgents:
     hold_sends: threading.Event | None = None
     sending: threading.Event = field(default_factory=threading.Event)
 
-    def register_pool(self, worker_id, shm_name, num_pages, page_bytes, fingerprint):
+    def register_pool(self, worker_id, fd, num_pages, page_bytes, fingerprint,
+                      on_registered=None):
         return worker_id, 1  # pool id = worker id, agent epoch 1
 
-    def window(self, pool_id: str) -> FakeWindow:
-        return FakeWindow(self, pool_id)
+    def window(self) -> FakeWindow:
+        return FakeWindow(self, "decode")  # only the decode worker opens windows
 
     def send(self, ticket, src_pool_id, src_page_ids, destination: Destination, timeout_s):
         return FakeSend(self, ticket, src_pool_id, list(src_page_ids), destination)

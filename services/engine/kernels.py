@@ -1,0 +1,109 @@
+"""The engine's one native kernel: attention over the paged pool, read in place (fp32, CPU).
+
+`csrc/paged_attention.c` is plain C (no torch headers), so the system C compiler builds it in
+well under a second on first use; the library is cached under the pdserve cache directory,
+keyed by the source, the compiler and the CPU's flags, and loaded with ctypes. It runs its
+OpenMP loop on torch's own OpenMP runtime (same `libgomp.so.1`, already loaded by torch),
+so kernel and GEMMs share one thread pool. With no C compiler the engine falls back to
+gathering pages and calling torch's SDPA (slower, same results), and says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from pdserve.common.models import cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
+log = logging.getLogger("pdserve.engine.kernels")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lmvec", "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent build by another process is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None when it cannot be built."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("PDSERVE_NO_NATIVE_ATTENTION"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.warning("no C compiler found: paged attention falls back to gather + SDPA")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"paged_attention-{key}.so"
+    try:
+        if not target.is_file():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("paged attention kernel unavailable (%s): falling back to gather + SDPA",
+                    detail)
+        return None
+    lib.paged_attention_f32.argtypes = _ARGTYPES
+    lib.paged_attention_f32.restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_kv: torch.Tensor,
+                    q_starts: torch.Tensor, q_ends: torch.Tensor, context_lens: torch.Tensor,
+                    block_tables: torch.Tensor, *, num_kv_heads: int, window: int, scale: float,
+                    max_context: int) -> None:
+    """out[rows] = attention of q[rows] over the pages of `layer_kv`, for the sequences given:
+    sequence s owns rows q_starts[s] .. q_ends[s]-1 of q [N, H, D] (and of out).
+
+    `layer_kv` is one layer's view of the pool, `pool[:, layer]`: [P, 2, block, kvh, D], whose
+    pages stand `stride(0)` elements apart. Index tensors are int64 and contiguous.
+    """
+    num_seqs, max_pages = block_tables.shape
+    k_base = layer_kv[0, 0].data_ptr()
+    v_base = layer_kv[0, 1].data_ptr()
+    with torch.profiler.record_function("paged_attention"):
+        rc = lib.paged_attention_f32(
+            q.data_ptr(), out.data_ptr(), k_base, v_base, q_starts.data_ptr(),
+            q_ends.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), num_seqs,
+            max_pages, layer_kv.stride(0), layer_kv.shape[2], q.shape[1], num_kv_heads,
+            q.shape[2], window, scale, max_context, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged attention kernel failed (code {rc})")

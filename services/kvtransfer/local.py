@@ -1,0 +1,215 @@
+"""The agent's local socket: its workers' fast lane, and the same-host path's receiving end.
+
+One Unix socket per agent (`--local-socket`; pdserve.common.localsock for the framing). A
+worker connects, checks the agent's token (`hello`), and hands over its pool: `register`
+carries the nameless segment's descriptor, the agent maps it without a copy and keeps the
+pool exactly as long as that connection lives: when the worker exits, whatever kills it, the
+kernel closes the connection, the agent drops the pool and unmaps it, and the memory is gone
+(nothing ever had a name in /dev/shm). The per-handoff calls go here too, one round trip on a
+Unix socket instead of a gRPC call each: `expect`, `cancel`, `status` (decode) and `send`
+(prefill). Peer agents on the same host send `shm_write` here (see shm.py).
+
+Requests and replies are JSON objects; an error reply is {"error": class name, "code": gRPC
+status name, "message": ...}. Only processes of this agent's user (or root) are served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pdserve.common import localsock, tracing
+from pdserve.common.handoff import (
+    destination_from_json,
+    fingerprint_from_json,
+    report_to_json,
+    ticket_from_json,
+)
+from pdserve.kvtransfer.errors import BadRequest, KvTransferError, status_name
+from pdserve.kvtransfer.pool import map_fd
+from pdserve.kvtransfer.shm import ShmReceiver
+from pdserve.kvtransfer.traced import send_span
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.agent import Agent
+
+log = logging.getLogger("pdserve.kvtransfer.local")
+_FD_OPS = frozenset({"register", "shm_write"})
+
+
+def default_address(port: int) -> str:
+    """The socket an agent listens on when none is configured: in the abstract namespace, so
+    agents in two network namespaces never see each other's (two hosts, as they should be)."""
+    return f"@pdserve-kvtransfer-{port or os.getpid()}"
+
+
+class _Connection:
+    """What one local connection holds: the pools registered on it, the peer pools mapped."""
+
+    def __init__(self, agent: Agent):
+        self.pools: list[str] = []
+        self.shm = ShmReceiver(lambda: agent.shm_sink)
+
+
+class LocalServer:
+    def __init__(self, agent: Agent, address: str):
+        self._agent = agent
+        self.address = address
+        self._listener: socket.socket | None = None
+        self._stopping = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-local-accept",
+                                        daemon=True)
+        self._ops: dict[str, Callable[[dict[str, Any], bytes, list[int], _Connection],
+                                      dict[str, Any]]] = {
+            "hello": self._hello, "register": self._register, "expect": self._expect,
+            "cancel": self._cancel, "status": self._status, "send": self._send,
+            "shm_write": lambda m, p, f, c: c.shm.write(m, p, f),
+        }
+
+    def start(self) -> None:
+        self._listener = localsock.listen(self.address)
+        self._thread.start()
+        log.info("local socket %s", self.address)
+
+    def close(self) -> None:
+        """Stop accepting, hang up on every connection (their pools are dropped)."""
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2.0)
+        if not self.address.startswith("@"):
+            try:
+                os.unlink(self.address)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kv-local-conn",
+                             daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(sock)
+        state = _Connection(self._agent)
+        try:
+            localsock.check_peer(sock)
+            while not self._stopping.is_set():
+                message, payload, fds = localsock.recv(sock)
+                localsock.send(sock, self._dispatch(message, payload, fds, state))
+        except PermissionError as exc:
+            log.warning("refused a local connection: %s", exc)
+        except (OSError, localsock.Closed, ValueError):
+            pass  # the worker or peer went away (or spoke nonsense): drop what it held
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+            state.shm.close()
+            for pool_id in state.pools:
+                self._agent.drop_pool(pool_id)
+
+    def _dispatch(self, message: dict[str, Any], payload: bytes, fds: list[int],
+                  state: _Connection) -> dict[str, Any]:
+        name = str(message.get("op"))
+        if name not in _FD_OPS:  # only these take (and own) descriptors
+            for fd in fds:
+                os.close(fd)
+            fds = []
+        try:
+            op = self._ops.get(name)
+            if op is None:
+                raise BadRequest(f"unknown local operation {name!r}")
+            return op(message, payload, fds, state)
+        except KvTransferError as exc:
+            return _error(exc)
+        except (KeyError, ValueError, TypeError) as exc:
+            return _error(BadRequest(f"malformed {name} request: {exc!r}"))
+
+    # ---- operations -------------------------------------------------------------------
+    def _hello(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+               ) -> dict[str, Any]:
+        a = self._agent
+        return {"agent_id": a.agent_id, "epoch": a.epoch, "token": a.local_token.hex()}
+
+    def _register(self, m: dict[str, Any], p: bytes, fds: list[int], c: _Connection
+                  ) -> dict[str, Any]:
+        try:
+            if len(fds) != 1:
+                raise BadRequest(f"register carries the pool's descriptor (got {len(fds)})")
+            worker_id, num_pages, page_bytes = str(m["worker_id"]), int(m["num_pages"]), \
+                int(m["page_bytes"])
+            try:
+                fingerprint = fingerprint_from_json(m["fingerprint"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise BadRequest(f"fingerprint: {exc}") from None
+            if fingerprint is None:
+                raise BadRequest("fingerprint is required")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        segment = map_fd(fds[0], num_pages, page_bytes, populate=True)  # owns the descriptor
+        pool = self._agent.add_pool(worker_id, segment, num_pages, page_bytes, fingerprint)
+        c.pools.append(pool.pool_id)
+        return {"pool_id": pool.pool_id, "agent_epoch": self._agent.epoch,
+                "agent_id": self._agent.agent_id}
+
+    def _expect(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+                ) -> dict[str, Any]:
+        epoch = self._agent.expect(_ticket(m), str(m["pool_id"]),
+                                   [int(x) for x in m["page_ids"]], float(m["lease_ms"]))
+        return {"agent_epoch": epoch}
+
+    def _cancel(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+                ) -> dict[str, Any]:
+        was_pending, was_complete = self._agent.cancel(_ticket(m))
+        return {"was_pending": was_pending, "was_complete": was_complete}
+
+    def _status(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+                ) -> dict[str, Any]:
+        status = self._agent.status(_ticket(m))
+        return {"complete": status.complete, "kv_bytes": status.kv_bytes,
+                "completed_unix_ms": status.completed_unix_ms}
+
+    def _send(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+              ) -> dict[str, Any]:
+        key = _ticket(m)
+        dest = destination_from_json(m["destination"])
+        pages = [int(x) for x in m["src_page_ids"]]
+        with send_span(self._agent.agent_id, key.request_id, dest.agent_address, len(pages),
+                       tracing.context_from_traceparent(str(m.get("traceparent", "")))) as span:
+            report = self._agent.send_pages(key, str(m["src_pool_id"]), pages, dest,
+                                            float(m.get("timeout_ms", 0)))
+            span.report(report)
+        return {"report": report_to_json(report)}
+
+
+def _ticket(m: dict[str, Any]) -> Any:
+    key = ticket_from_json(m["ticket"])
+    if not key.request_id:
+        raise BadRequest("ticket.request_id is empty")
+    return key
+
+
+def _error(exc: KvTransferError) -> dict[str, Any]:
+    return {"error": type(exc).__name__, "code": status_name(exc), "message": exc.message}

@@ -1,0 +1,286 @@
+"""The same-host path: the receiving agent copies pages straight out of the sender's pool.
+
+Two agents are on one host when the sender can reach the receiver's local socket (published
+in its AgentInfo) and finds there the receiver's `local_token` (also published, over gRPC):
+then the socket is really that agent's, on this kernel, and a descriptor can cross it.
+Nothing is configured: agents in two network namespaces of one machine are two hosts unless
+the socket really is shared (an abstract-namespace socket never is; a path is when both see
+the same file).
+
+    sender agent                                        receiving agent
+    hello ─────────────── local socket ─────────────▶  its token  (mismatch: not this host)
+    shm_write(src runs, WriteHeader) [+ read-only fd] ▶  map the sender's pool read-only once
+                                                        per connection; accept (ticket, epoch,
+                                                        layout, pages, grant) -> one memory copy
+                                                        per run into the reserved pages,
+                                  ◀───────────────────  stopping at a cancel; finish; reply
+
+Every guarantee of the other transports holds, because the write goes through the same sink
+(`accept` / `finish`): nothing lands before `accept`, nothing after `finish`, a cancel waits
+for the copy to stop. A peer that cannot be used (socket unreachable, token mismatch, the
+pool not mappable there) raises SegmentUnavailable: the agent falls back to UCX / TCP and
+remembers the peer as remote for that epoch. The receiver's mapping of a sender's pool lives
+as long as the connection it came on; the sender closes its connections that carried a pool
+when the pool goes, so no mapping outlives its worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pdserve.common import localsock
+from pdserve.common.shm import SharedSegment
+from pdserve.kvtransfer.errors import (
+    BadRequest,
+    KvTransferError,
+    PeerUnavailable,
+    SegmentUnavailable,
+    TransferTimeout,
+    from_wire,
+)
+from pdserve.kvtransfer.peers import PeerDirectory, PeerInfo
+from pdserve.kvtransfer.pool import Pool, map_fd
+from pdserve.kvtransfer.runs import PageRun
+from pdserve.kvtransfer.transport import LIVENESS_INTERVAL_S, WriteSink
+from pdserve.kvtransfer.wire import WriteHeader
+
+log = logging.getLogger("pdserve.kvtransfer.shm")
+
+CONNECT_TIMEOUT_S = 2.0
+COPY_SLICE_BYTES = 8 << 20  # a cancel is noticed between slices of one run's copy
+MAX_IDLE_PER_PEER = 4
+
+
+@dataclass
+class _Conn:
+    sock: Any
+    address: str  # the peer's gRPC address
+    sent_pools: set[str] = field(default_factory=set)  # pools whose fd this connection carried
+
+
+class ShmSender:
+    """Connections to same-host peers and the send half of the protocol; thread-safe."""
+
+    def __init__(self, agent_id: str, peers: PeerDirectory):
+        self._agent_id = agent_id
+        self._peers = peers
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[_Conn]] = {}
+        self._remote: dict[str, int] = {}  # peer address -> epoch at which it proved remote
+        self._gone: set[str] = set()  # pools dropped; connections that carried them close
+
+    def usable(self, peer: PeerInfo) -> bool:
+        with self._lock:
+            remote = self._remote.get(peer.address) == peer.epoch
+        return peer.same_host_copy and bool(peer.local_socket) and not remote
+
+    def mark_remote(self, peer: PeerInfo) -> None:
+        with self._lock:
+            self._remote[peer.address] = peer.epoch
+        self.forget(peer.address)
+
+    def send(self, peer: PeerInfo, header: WriteHeader, pool: Pool, runs: list[PageRun],
+             deadline: float, liveness: Callable[[], None]) -> None:
+        """One handoff by same-host copy; returns once every page is resident there. Raises
+        SegmentUnavailable to fall back, else the receiver's refusal (or a timeout)."""
+        conn = self._checkout(peer)
+        in_step = False
+        try:
+            message: dict[str, Any] = {
+                "op": "shm_write", "src_pool": pool.pool_id, "src_num_pages": pool.num_pages,
+                "src_runs": [[r.src_start, r.num_pages] for r in runs]}
+            fds: tuple[int, ...] = ()
+            if pool.pool_id not in conn.sent_pools:
+                fds = (pool.readonly_fd(),)
+            try:
+                localsock.send(conn.sock, message, header.encode(), fds)
+                conn.sent_pools.add(pool.pool_id)
+                reply = _wait_reply(conn.sock, deadline, liveness)
+            except (OSError, localsock.Closed, ValueError) as exc:
+                raise PeerUnavailable(f"same-host connection to agent {peer.agent_id} broke: "
+                                      f"{exc}", retryable=True) from None
+            in_step = True
+        finally:
+            self._checkin(conn, in_step)
+        if reply.get("error"):
+            error = from_wire(str(reply["error"]), str(reply.get("message", "")))
+            if reply["error"] == "SegmentUnavailable":
+                raise SegmentUnavailable(error.message)
+            raise error
+
+    def forget(self, address: str) -> None:
+        """Close the idle connections to a peer (it restarted, failed, or proved remote)."""
+        with self._lock:
+            conns = self._idle.pop(address, [])
+        for conn in conns:
+            conn.sock.close()
+
+    def forget_pool(self, pool_id: str) -> None:
+        """The pool is gone: close every connection that carried it (the peers unmap it)."""
+        with self._lock:
+            self._gone.add(pool_id)
+            closing = [c for conns in self._idle.values() for c in conns
+                       if pool_id in c.sent_pools]
+            for conns in self._idle.values():
+                conns[:] = [c for c in conns if pool_id not in c.sent_pools]
+        for conn in closing:
+            conn.sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.sock.close()
+
+    def _checkout(self, peer: PeerInfo) -> _Conn:
+        with self._lock:
+            idle = self._idle.get(peer.address)
+            if idle:
+                return idle.pop()
+        try:
+            sock = localsock.connect(peer.local_socket, CONNECT_TIMEOUT_S)
+        except (OSError, ValueError) as exc:
+            raise SegmentUnavailable(f"its local socket {peer.local_socket} cannot be reached "
+                                     f"from here: {exc}") from None
+        try:
+            hello, _ = localsock.call(sock, {"op": "hello"})
+            token = bytes.fromhex(str(hello.get("token", "")))
+            if token != peer.local_token and token != self._peers.refresh(
+                    peer.address).local_token:
+                raise SegmentUnavailable(f"the socket {peer.local_socket} belongs to another "
+                                         f"agent ({hello.get('agent_id', '?')})")
+        except (OSError, localsock.Closed, ValueError) as exc:
+            sock.close()
+            raise SegmentUnavailable(f"no answer on {peer.local_socket}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return _Conn(sock, peer.address)
+
+    def _checkin(self, conn: _Conn, reusable: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(conn.address, [])
+            if reusable and not (conn.sent_pools & self._gone) and len(idle) < MAX_IDLE_PER_PEER:
+                idle.append(conn)
+                return
+        conn.sock.close()
+
+
+def _wait_reply(sock: Any, deadline: float, liveness: Callable[[], None]) -> dict[str, Any]:
+    """The receiver's reply; the peer's liveness is checked about once a second meanwhile."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeout("timed out waiting for the same-host copy")
+        readable, _, _ = select.select([sock], [], [], min(LIVENESS_INTERVAL_S, remaining))
+        if readable:
+            sock.settimeout(max(1.0, remaining))
+            reply, _, fds = localsock.recv(sock)
+            for fd in fds:
+                os.close(fd)
+            return reply
+        liveness()
+
+
+class ShmReceiver:
+    """The receiving half, one per local connection: the sender pools mapped on it."""
+
+    def __init__(self, sink: Callable[[], WriteSink]):
+        self._sink = sink
+        self._maps: dict[str, SharedSegment] = {}
+
+    def write(self, message: dict[str, Any], payload: bytes, fds: list[int]) -> dict[str, Any]:
+        """Serve one shm_write; returns the reply (an error reply names the refusal)."""
+        try:
+            try:
+                header = WriteHeader.decode(payload)
+            except KvTransferError:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            src = self._source(message, fds, header.page_bytes)
+            runs = _runs(message, header)
+            self._copy(header, src, runs)
+            return {}
+        except KvTransferError as exc:
+            return {"error": type(exc).__name__, "message": exc.message}
+
+    def _source(self, message: dict[str, Any], fds: list[int], page_bytes: int) -> np.ndarray:
+        key = str(message.get("src_pool", ""))
+        if fds:
+            for fd in fds[1:]:
+                os.close(fd)
+            old = self._maps.pop(key, None)
+            if old is not None:
+                old.close()
+            try:
+                num_pages = int(message["src_num_pages"])
+            except (KeyError, ValueError, TypeError):
+                os.close(fds[0])
+                raise BadRequest("malformed same-host write: src_num_pages") from None
+            try:  # map_fd owns the descriptor (closes it when it cannot map it)
+                segment = map_fd(fds[0], num_pages, page_bytes, writable=False)
+            except KvTransferError as exc:
+                raise SegmentUnavailable(f"the sender's pool cannot be mapped here: "
+                                         f"{exc.message}") from None
+            self._maps[key] = segment
+        if key not in self._maps:
+            raise SegmentUnavailable(f"pool {key!r} was never mapped on this connection")
+        return np.frombuffer(self._maps[key].buffer, dtype=np.uint8)
+
+    def _copy(self, header: WriteHeader, src: np.ndarray, runs: list[tuple[int, int]]) -> None:
+        sink = self._sink()
+        write = sink.accept(header)  # nothing is written unless this returns
+        ok = False
+        try:
+            for (start, _), dst in zip(runs, write.dst_views):
+                offset = start * header.page_bytes
+                for at in range(0, dst.size, COPY_SLICE_BYTES):
+                    if write.abort.is_set():
+                        raise _Aborted()
+                    stop = min(at + COPY_SLICE_BYTES, dst.size)
+                    np.copyto(dst[at:stop], src[offset + at:offset + stop])
+            ok = True
+        except _Aborted:
+            pass
+        except BaseException:
+            sink.finish(write, False)
+            raise
+        sink.finish(write, ok)  # raises TicketCancelled after a cancel: the reply says so
+        if not ok:
+            raise TransferTimeout("the handoff stopped before all its bytes arrived")
+
+    def close(self) -> None:
+        """Unmap every sender pool mapped on this connection (no copy is running: the
+        connection's one thread calls this)."""
+        for segment in self._maps.values():
+            segment.close()
+        self._maps.clear()
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _runs(message: dict[str, Any], header: WriteHeader) -> list[tuple[int, int]]:
+    try:
+        runs = [(int(a), int(b)) for a, b in message["src_runs"]]
+        num_pages = int(message["src_num_pages"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise BadRequest(f"malformed same-host write: {exc}") from None
+    if [n for _, n in runs] != [n for _, n in header.dst_runs]:
+        raise BadRequest("source runs do not match the destination runs")
+    for start, n in runs:
+        if start < 0 or n <= 0 or start + n > num_pages:
+            raise BadRequest(f"source pages {start}..{start + n - 1} are outside the sender's "
+                             f"pool (0..{num_pages - 1})")
+    return runs

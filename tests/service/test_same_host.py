@@ -1,0 +1,79 @@
+"""The same-host copy's own cases, with real agents: where it cannot be used (the receiver's
+socket unreachable from the sender, or another agent's) the handoff falls back to the network
+transport and still lands byte-exact; a sender's pool mapped by a receiver is unmapped there
+once its worker is gone. (Its refusals, cancel and restart cases run with the other
+transports' in test_kvtransfer.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pdserve.common.shm import memfd_mappings
+
+from tests.service.test_kvtransfer import Agent, Pair, Pool, agent, expect, new_ticket, send
+from tests.support import free_port, wait_for
+
+pytestmark = pytest.mark.service
+
+
+@pytest.fixture
+def socket_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sockets")
+
+
+def _pair(sender: Agent, receiver: Agent, src: Pool | None = None) -> Pair:
+    return Pair("shm", sender, receiver, src or Pool(sender.stub, "prefill-0", seed=1,
+                                                     num_pages=16),
+                Pool(receiver.stub, "decode-0", seed=2, num_pages=16))
+
+
+def _handoff(pair: Pair, src_pages: list[int], dst_pages: list[int]) -> str:
+    ticket = new_ticket()
+    expect(pair.receiver, pair.dst, ticket, dst_pages)
+    report = send(pair, ticket, src_pages, dst_pages)
+    for s, d in zip(src_pages, dst_pages):
+        assert np.array_equal(pair.dst.page(d), pair.src.page(s)), f"page {s} -> {d}"
+    return report.transport
+
+
+def test_a_socket_the_sender_cannot_use_falls_back_to_the_network(socket_dir: Path) -> None:
+    """As pods on one node whose socket directories are not shared: a receiver advertises a
+    path that, from the sender, leads nowhere (b), or to another agent (c: to the sender)."""
+    sockets = {name: socket_dir / f"{name}.sock" for name in "abc"}
+    with agent(free_port(), "--transport", "tcp", "--local-socket", str(sockets["a"])) as a, \
+            agent(free_port(), "--transport", "tcp", "--local-socket", str(sockets["b"])) as b, \
+            agent(free_port(), "--transport", "tcp", "--local-socket", str(sockets["c"])) as c:
+        first = _pair(a, b)
+        pairs = [first, _pair(a, c, first.src)]
+        try:
+            sockets["b"].unlink()
+            sockets["c"].unlink()
+            sockets["c"].symlink_to(sockets["a"])
+            for pair in pairs:
+                assert _handoff(pair, [1, 2, 3], [4, 5, 6]) == "tcp"
+                assert _handoff(pair, [7], [8]) == "tcp"  # remembered: no second attempt
+            log = a.proc.output()
+            assert log.count("not reachable on this host") == 2, log[-2000:]
+            assert "cannot be reached from here" in log and "belongs to another agent" in log
+        finally:
+            for pair in pairs:
+                pair.src.close()
+                pair.dst.close()
+
+
+def test_a_receiver_unmaps_a_senders_pool_once_its_worker_is_gone() -> None:
+    with agent(free_port(), "--transport", "tcp") as a, \
+            agent(free_port(), "--transport", "tcp") as b:
+        pair = _pair(a, b)
+        try:
+            assert _handoff(pair, [0, 1], [2, 3]) == "shm"
+            receiver_pid = b.proc.proc.pid
+            assert memfd_mappings(receiver_pid) == 2  # its own pool, the sender's (read-only)
+            pair.src.close()  # the prefill worker goes away
+            assert wait_for(lambda: memfd_mappings(receiver_pid) == 1, timeout_s=10)
+            assert wait_for(lambda: memfd_mappings(a.proc.proc.pid) == 0, timeout_s=10)
+        finally:
+            pair.src.close()
+            pair.dst.close()

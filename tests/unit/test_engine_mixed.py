@@ -1,0 +1,83 @@
+"""Mixed steps: prompt chunks ride along with decode tokens in one forward, so running
+sequences keep getting a token at every step while a long prompt is chunked in; the prefill
+role packs several waiting prompts into one step under the token budget. Greedy output stays
+equal to transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.model import load_model
+from pdserve.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.unit
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return hf, load_model(tiny_model_dir, dtype="float32")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(hf, prompt: list[int], max_tokens: int = 24) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                      min_new_tokens=max_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_decodes_keep_stepping_while_a_long_prompt_is_chunked_in(models):
+    hf, model = models
+    engine = Engine(model, EngineConfig(num_pages=64, chunk_size=32, max_prefill_tokens=64),
+                    eos_token_ids=[])
+    short, long = _prompt(10, 1), _prompt(150, 2)
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    try:
+        engine.add_request("a", short, GREEDY)
+        for out in engine.step():  # a's prompt: its first token, then it is running
+            tokens[out.seq_id].append(out.token or 0)
+        engine.add_request("b", long, GREEDY)
+        steps_until_b = 0
+        while not tokens["b"]:
+            outs = engine.step()
+            steps_until_b += 1
+            assert [o.seq_id for o in outs if o.seq_id == "a"] == ["a"], \
+                f"step {steps_until_b} of b's prompt gave a no token"
+            for out in outs:
+                tokens[out.seq_id].append(out.token or 0)
+        assert steps_until_b == 5  # 150 prompt tokens in chunks of 32, beside a's decode token
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.seq_id].append(out.token or 0)
+        assert tokens["a"] == _reference(hf, short)
+        assert tokens["b"] == _reference(hf, long)
+        assert engine.allocator.num_free == engine.config.num_pages
+    finally:
+        engine.close()
+
+
+def test_prefill_role_packs_waiting_prompts_into_one_step(models):
+    hf, model = models
+    engine = Engine(model, EngineConfig(role="prefill", num_pages=64, chunk_size=32,
+                                        max_prefill_tokens=64), eos_token_ids=[])
+    prompts = {"p0": _prompt(5, 3), "p1": _prompt(40, 4), "p2": _prompt(17, 5)}
+    try:
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, GREEDY)
+        first = engine.step()  # 5 + 32 + 17 tokens: one forward, no padding
+        assert sorted(o.seq_id for o in first) == ["p0", "p2"]
+        second = engine.step()  # p1's last 8 tokens
+        assert [o.seq_id for o in second] == ["p1"]
+        for out in first + second:
+            assert out.token == _reference(hf, prompts[out.seq_id], 1)[0]
+            assert engine.release_prefilled(out.seq_id) > 0
+        assert engine.allocator.num_free == engine.config.num_pages
+    finally:
+        engine.close()
