@@ -32,16 +32,18 @@ from pdserve.certs import CertPaths, create
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
 from pdserve.common.health import wait_serving
+from pdserve.common.models import DEFAULT_MODEL
 from pdserve.common.security import ChannelSecurity
 
-DEMO_PROMPT = "def fibonacci(n):"
 OTLP_ENDPOINT = re.compile(r"(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?")
 PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
 class UpConfig:
-    model: str = option("tiny", "tiny / small (built-in) or a local Hugging Face directory")
+    model: str = option(DEFAULT_MODEL, "smollm2 (SmolLM2-135M-Instruct, converted once from "
+                                       "GGUF), tiny / small (random weights, for tests), or a "
+                                       "local Hugging Face directory")
     prefill: int = option(1, "prefill workers")
     decode: int = option(1, "decode workers")
     transport: str = option("ucx", "KV transport between the agents", choices=("ucx", "tcp"))
@@ -68,7 +70,9 @@ class UpConfig:
                                    "this process's cores)")
     decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
     demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
-    demo_prompt: str = option(DEMO_PROMPT, "the demo request's prompt")
+    demo_prompt: str = option("", "the demo request's text (default: 'What is the capital "
+                                  "of France?' as a chat when the model has a chat template, "
+                                  "else 'def fibonacci(n):')")
     log_dir: str = option("", "keep every process's log here (default: a temp dir, removed on "
                               "exit)")
     ready_timeout_s: float = option(300.0, "how long the stack may take to come up (s)")
@@ -317,6 +321,8 @@ def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:
         f"  grpcurl {grpcurl} -d {shlex.quote(body)} {router} pdserve.v1.Router/Generate",
         f"  pdserve generate --address {router}{gen} --max-tokens 32 --temperature 0 "
         "'def fibonacci(n):'",
+        f"  pdserve generate --address {router}{gen} --temperature 0 --chat "
+        "'What is the capital of France?'   (models with a chat template)",
         "Ctrl-C stops every process.",
     ])
 
@@ -376,13 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.start(cfg.ready_timeout_s)
         print(_banner(router, stack.procs, cfg), flush=True)
         if cfg.demo:
-            from pdserve import client
+            from pdserve import demo
 
-            note = (" (the built-in model has random weights: the text is noise, the path and "
-                    "the timings are real)" if ref.builtin_size else "")
-            print(f"\ndemo: {cfg.demo_prompt!r}{note}\n", flush=True)
-            status = client.main(["--address", router, "--max-tokens", "48", "--temperature", "0",
-                                  "--ignore-eos", *demo_security(cfg), cfg.demo_prompt])
+            status = demo.run(router, model_dir, ref.random_weights, cfg.demo_prompt,
+                              demo_security(cfg))
         else:
             reported: set[str] = set()
             while True:  # until Ctrl-C / SIGTERM

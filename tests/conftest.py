@@ -73,3 +73,34 @@ def model_kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("kinds")
     return {kind: make_model(root, kind) for kind in KINDS}
+
+
+_FIGURES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def figures() -> list[str]:
+    """Lines a test wants read (e.g. the logit margins behind an exactness check), printed in
+    the summary at the end of the run."""
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("pdserve figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(cache_dir: Path, figures: list[str]) -> Path:
+    """SmolLM2-135M-Instruct converted from GGUF, once per session, in the session's cache
+    (where the processes of `pdserve up --model smollm2` find it)."""
+    import time
+
+    from pdserve.engine import builtin
+
+    started = time.monotonic()
+    path = builtin.ensure("smollm2", cache_dir=cache_dir)
+    figures.append(f"SmolLM2 conversion from GGUF: {time.monotonic() - started:.1f} s")
+    return path

@@ -10,6 +10,9 @@ set -euo pipefail
 image=${1:-localhost/debian:bookworm}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
+# One maker at a time (test sessions of several checkouts may start builds together).
+exec 9>"/var/tmp/pdserve-base.lock"
+flock 9
 if podman image exists "$image" && [ -z "${PDSERVE_REBUILD_BASE:-}" ]; then
     echo "base image $image exists"
     exit 0

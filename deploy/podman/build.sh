@@ -15,6 +15,7 @@ base=${PDSERVE_BASE_IMAGE:-localhost/debian:bookworm}
 wheels=${PDSERVE_WHEELS:-/opt/wheels}
 
 [ "$base" != localhost/debian:bookworm ] || deploy/podman/base.sh "$base"
+old=$(podman image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
 # These machines refuse the default rlimits podman asks for; runc instead of crun.
 limits=(--runtime runc --ulimit nofile=1024:4096 --ulimit nproc=1024:2048)
 podman build "${limits[@]}" -f deploy/Containerfile -t "$tag" \
@@ -27,4 +28,7 @@ podman build "${limits[@]}" -f deploy/Containerfile -t "$tag" \
     -v /etc/ssl/certs:/etc/ssl/certs:ro \
     -v "$wheels":/wheels:ro \
     --layers --force-rm .
-podman image prune -f >/dev/null  # the build stage's layers are not kept
+# The image this tag named before is left untagged: remove it (the layer cache stays).
+new=$(podman image inspect --format '{{.Id}}' "$tag")
+if [ -n "$old" ] && [ "$old" != "$new" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
+echo "built $tag ($(podman image inspect --format '{{.Size}}' "$tag" | numfmt --to=iec) bytes)"

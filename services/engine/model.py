@@ -160,26 +160,32 @@ class PagedCausalLM(nn.Module):
         cos, sin = self.rotary_emb(hidden, batch.positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D], broadcast over heads
         lib = self.attention.native(kv)
-        splits = [H * D, KVH * D, KVH * D]
         layer: Any  # transformers' decoder layer (untyped)
         for layer_idx, layer in enumerate(self.layers):
-            x = layer.input_layernorm(hidden)
+            x = _rms_norm(layer.input_layernorm, hidden)
             weight, bias = self._qkv[layer_idx]
-            q, k, v = torch.split(F.linear(x, weight, bias), splits, dim=-1)
-            q, k = q.view(N, H, D), k.view(N, KVH, D)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            qk, v = torch.split(F.linear(x, weight, bias), [(H + KVH) * D, KVH * D], dim=-1)
+            qk = qk.view(N, H + KVH, D)  # rotary on q and k heads at once
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q, k = qk[:, :H].contiguous(), qk[:, H:]
             layer_kv = kv[:, layer_idx]  # [P, 2, block, kvh, hd], a view
             layer_kv[batch.slot_pages, 0, batch.slot_offsets] = k
             layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
             out = self.attention(q, layer_kv, batch, lib)
             hidden = hidden + layer.self_attn.o_proj(out.view(N, H * D))
-            x = layer.post_attention_layernorm(hidden)
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
             gate, up = F.linear(x, self._gate_up[layer_idx]).chunk(2, dim=-1)
             hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         last = hidden[batch.last_index]
-        logits: torch.Tensor = self.lm_head(self.norm(last)).float()
+        logits: torch.Tensor = self.lm_head(_rms_norm(self.norm, last)).float()
         return logits
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama/Qwen2/Mistral RMSNorm as one fused op (bit-identical in fp32)."""
+    if x.dtype != torch.float32:  # transformers normalises in fp32, then casts back
+        return cast(torch.Tensor, norm(x))
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from pdserve.common import tracing
+from pdserve.common import failpoints, tracing
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.logs import outcome
@@ -259,6 +259,7 @@ class Agent:
                     dest: Destination, timeout_ms: float) -> tuple[TransferReport, str]:
         """The report, and the destination agent's id."""
         started = time.perf_counter()
+        failpoints.hit("kv.send", key.request_id)
         if timeout_ms < 0:
             raise BadRequest(f"timeout_ms must be >= 0 (0 = default), got {timeout_ms:g}")
         timeout_s = timeout_ms / 1e3 if timeout_ms > 0 else self.default_timeout_s

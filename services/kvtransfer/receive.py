@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pdserve.common import failpoints
 from pdserve.kvtransfer.errors import BadRequest, StaleEpoch, cause
 from pdserve.kvtransfer.pool import expect_same
 from pdserve.kvtransfer.runs import check_page_ids, expand
@@ -54,6 +55,7 @@ class AgentSink:
             raise BadRequest(f"destination runs: {exc}") from None
         check_pages(page_ids, pool.num_pages, "destination pages")
         exp = agent.tickets.begin_write(header.ticket, pool.pool_id, page_ids)
+        failpoints.hit("kv.receive", header.ticket.request_id)
         views = [pool.pages(start, n) for start, n in header.dst_runs]
         return IncomingWrite(header, views, exp.abort, exp)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+from pdserve.common import failpoints
 from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
@@ -57,6 +58,7 @@ class PrefillWorker:
             raise Unavailable(f"prefill worker {self.worker_id} is draining")
         rid = request.request_id
         received = time.perf_counter()
+        failpoints.hit("prefill.queued", rid)
         try:
             _, outputs = self.loop.start_sequence(
                 rid, lambda e: e.add_request(rid, request.token_ids, request.params))
@@ -68,6 +70,7 @@ class PrefillWorker:
             queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
             report = TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
+                failpoints.hit("prefill.handoff", rid)
                 report = self._ship(rid, request.ticket, out.page_ids or [],
                                     request.destination, cancelled)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,

@@ -13,7 +13,15 @@ Each attempt's workers see the request id `<id>#<n>` from the second attempt on,
 Abort of a failed attempt can never hit the retry's reservation.
 
 The reservation's state lives on the decode worker (its lease book); the router holds only a
-`ReservationHandle` to release it.
+`ReservationHandle` to release it, and, from Reserve until the decode stream has started, keeps
+its lease alive with a heartbeat (renewal.py): a long prefill keeps its pages, and when this
+router dies they come back within one `renew_lease_s`.
+
+Every wait on a peer is bounded and its error names the peer and the phase: Reserve
+(`reserve_timeout_s`), Prefill, which covers the prefill worker's queue, its compute and the
+KV handoff (`prefill_timeout_s`), and the decode stream's first message, i.e. the sequence
+joining D's batch (`decode_start_timeout_s`). The tokens after that are bounded by the
+decode worker's own wait for its next token and by the channel's keepalive.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from pdserve.common import tracing, wire
+from pdserve.common import failpoints, tracing, wire
 from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.placement import rank_decode, rank_prefill
 from pdserve.router.pool import Worker, WorkerPool
+from pdserve.router.renewal import LeaseKeeper
 from pdserve.router.validation import Generation
+from pdserve.router.watchdog import Watchdog
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -51,15 +61,29 @@ class ReservationHandle:
 
     def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str,
                  reply: decode_pb2.ReserveResponse, abort_timeout_s: float,
-                 on_done: Callable[[], None] = lambda: None):
+                 on_done: Callable[[], None] = lambda: None,
+                 keeper: LeaseKeeper | None = None):
         self.stub = stub
         self.address = address
         self.ticket: common_pb2.Ticket = reply.ticket
         self.destination: common_pb2.KVDestination = reply.destination
+        self.not_held = False  # a renewal found the reservation gone from the worker
         self._abort_timeout_s = abort_timeout_s
         self._on_done = on_done  # once: settled, or its Abort answered (the worker is free)
         self._lock = threading.Lock()
         self._done = False
+        # Renewed while held, when the worker took a renewable lease (older ones do not).
+        self._keeper = keeper if keeper is not None and reply.renew_lease_ms > 0 else None
+        if self._keeper is not None:
+            self._keeper.hold(self)
+
+    def mark_not_held(self) -> None:
+        self.not_held = True
+
+    def stop_renewing(self) -> None:
+        """The decode stream started (the worker adopted the pages) or the handle is done."""
+        if self._keeper is not None:
+            self._keeper.drop(self)
 
     @property
     def worker(self) -> str:
@@ -67,6 +91,7 @@ class ReservationHandle:
         return self.ticket.decode_worker or self.address
 
     def settle(self) -> None:
+        self.stop_renewing()
         with self._lock:
             if self._done:
                 return
@@ -75,6 +100,7 @@ class ReservationHandle:
 
     def release(self, reason: str, *, wait: bool = True) -> None:
         """Abort the ticket on the decode worker (frees its pages). Errors are logged only."""
+        self.stop_renewing()
         with self._lock:
             if self._done:
                 return
@@ -159,13 +185,24 @@ class AttemptRunner:
 
     def __init__(self, pool: WorkerPool, *, max_retries: int = 1, reserve_timeout_s: float = 5.0,
                  prefill_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
+                 decode_start_timeout_s: float = 30.0, renew_lease_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
         self._pool = pool
         self._max_retries = max_retries
         self._reserve_timeout_s = reserve_timeout_s
         self._prefill_timeout_s = prefill_timeout_s
         self._abort_timeout_s = abort_timeout_s
+        self._decode_start_timeout_s = decode_start_timeout_s
         self._clock = clock
+        # renew_lease_s 0: leases are not renewed and last the longest prefill (+ a margin)
+        self._keeper = LeaseKeeper(renew_lease_s) if renew_lease_s else None
+        self._watchdog = Watchdog()
+
+    def close(self) -> None:
+        """Stop the lease heartbeat and the watchdog (the router is stopping)."""
+        if self._keeper is not None:
+            self._keeper.close()
+        self._watchdog.close()
 
     def run(self, gen: Generation, scope: CallScope,
             ends_at_first_token: Callable[[int], bool]) -> Started:
@@ -186,6 +223,12 @@ class AttemptRunner:
                 log.info("request %s attempt %d failed: %s", gen.request_id, attempt, failure)
                 avoid_prefill.update(filter(None, [failure.prefill]))
                 avoid_decode.update(filter(None, [failure.decode]))
+            except ServiceError as exc:
+                if not failures:
+                    raise
+                # A retry that found no worker left: say what failed first (peer and phase).
+                raise ServiceError(f"{exc.message} (retrying after: {'; '.join(failures)})",
+                                   exc.code) from None
         raise Unavailable(f"request {gen.request_id} failed before its first token after "
                           f"{self._max_retries + 1} attempts: " + "; ".join(failures))
 
@@ -193,13 +236,16 @@ class AttemptRunner:
                  avoid_prefill: set[str], avoid_decode: set[str],
                  ends_at_first_token: Callable[[int], bool]) -> Started:
         worker_request_id = attempt_id(gen.request_id, attempt)
+        failpoints.hit("router.queued", worker_request_id)
         reservation = self._reserve(gen, worker_request_id, scope, avoid_decode)
         try:
+            failpoints.hit("router.reserved", worker_request_id)
             address, reply, sent = self._prefill(gen, worker_request_id, reservation, scope,
                                                  avoid_prefill)
             stream = None
             if not ends_at_first_token(reply.first_token):
                 stream = self._start_decode(gen, reservation, reply.first_token, scope)
+                reservation.stop_renewing()  # the sequence owns the pages now
             return Started(reservation, address, reply, sent, attempt, stream)
         except _Retry as failure:
             reservation.release(f"attempt {attempt} failed ({failure}); retrying")
@@ -217,9 +263,9 @@ class AttemptRunner:
         # The lease must outlive the longest prefill this router waits for; it only matters
         # when nobody releases the pages (this router died), and then they come back after it.
         lease_s = self._prefill_timeout_s + LEASE_MARGIN_S
-        request = decode_pb2.ReserveRequest(request_id=worker_request_id,
-                                            num_prompt_tokens=num_tokens,
-                                            lease_ms=lease_s * 1e3)
+        request = decode_pb2.ReserveRequest(
+            request_id=worker_request_id, num_prompt_tokens=num_tokens, lease_ms=lease_s * 1e3,
+            renew_lease_ms=self._keeper.renew_lease_s * 1e3 if self._keeper else 0.0)
         full: list[str] = []
         down: list[str] = []
         for address in ranked:
@@ -229,8 +275,8 @@ class AttemptRunner:
             stub = worker.decode
             try:
                 reply = self._call(scope, "router.reserve", stub.Reserve, request,
-                                   self._reserve_timeout_s, f"decode {address}", address,
-                                   decode=address)
+                                   self._reserve_timeout_s, f"decode {address}", "reserve",
+                                   address, decode=address)
             except (ClientCancelled, _Retry) as failure:
                 # The worker may still have granted it after we stopped waiting: release it
                 # (by request id) so the pages do not sit out the whole lease.
@@ -250,7 +296,8 @@ class AttemptRunner:
                 raise
             self._pool.note_reserved(worker, len(reply.destination.page_ids))
             return ReservationHandle(stub, address, reply, self._abort_timeout_s,
-                                     on_done=functools.partial(self._pool.release, worker))
+                                     on_done=functools.partial(self._pool.release, worker),
+                                     keeper=self._keeper)
         if full:  # every reachable decode worker said it has no room: tell the client now
             raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
                                     f"(full: {', '.join(full)})")
@@ -273,7 +320,8 @@ class AttemptRunner:
         sent = self._clock()
         try:
             reply = self._call(scope, "router.prefill", worker.prefill.Prefill, request,
-                               self._prefill_timeout_s, f"prefill {address}", address,
+                               self._prefill_timeout_s, f"prefill {address}",
+                               f"prefill + KV handoff to decode {reservation.address}", address,
                                prefill=address, decode=reservation.address)
         finally:
             self._pool.release(worker, num_tokens)
@@ -289,8 +337,15 @@ class AttemptRunner:
         call = reservation.stub.Decode(decode_pb2.DecodeRequest(
             ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first_token,
             sampling=wire.sampling_to_pb(gen.sampling)), metadata=tracing.outgoing_metadata(span))
+        timed_out = threading.Event()
+
+        def give_up() -> None:
+            timed_out.set()
+            call.cancel()
+
         try:
-            with scope.guard(call.cancel):
+            with scope.guard(call.cancel), \
+                    self._watchdog.armed(self._decode_start_timeout_s, give_up):
                 first = next(call)
         except StopIteration:
             call.cancel()
@@ -304,11 +359,17 @@ class AttemptRunner:
             span.end()
             if scope.cancelled:
                 raise ClientCancelled() from None
-            where = f"decode {reservation.address} did not start the sequence"
-            if exc.code().name in DECODE_START_RETRYABLE:
-                raise _Retry(f"{where}: {exc.code().name} {exc.details()}",
-                             decode=reservation.address, code=exc.code().name) from None
-            raise ServiceError(f"{where}: {exc.details()}", exc.code().name) from None
+            where = f"decode {reservation.address} did not start the sequence (decode start)"
+            code, details = exc.code().name, exc.details()
+            if timed_out.is_set():
+                code, details = "DEADLINE_EXCEEDED", (f"no first message within "
+                                                      f"{self._decode_start_timeout_s:g} s")
+            if reservation.not_held:
+                details += "; its reservation had already lapsed there"
+            if code in DECODE_START_RETRYABLE:
+                raise _Retry(f"{where}: {code} {details}", decode=reservation.address,
+                             code=code) from None
+            raise ServiceError(f"{where}: {details}", code) from None
         except BaseException:
             call.cancel()
             span.end()
@@ -316,9 +377,10 @@ class AttemptRunner:
         return DecodeStream(call, first, span)
 
     def _call(self, scope: CallScope, span_name: str, method: grpc.UnaryUnaryMultiCallable,
-              request: Any, timeout_s: float, where: str, address: str, *,
+              request: Any, timeout_s: float, peer: str, phase: str, address: str, *,
               prefill: str | None = None, decode: str | None = None) -> Any:
-        """One unary call that client cancellation interrupts; errors sorted by what to do.
+        """One unary call that client cancellation interrupts; errors sorted by what to do and
+        named by the `peer` and the `phase` they happened in.
 
         Traced as a client span (router.reserve, router.prefill) whose context the call
         carries, so the worker's span is its child."""
@@ -336,6 +398,9 @@ class AttemptRunner:
                     if scope.cancelled:
                         raise ClientCancelled() from None
                     code, details = exc.code().name, exc.details()
+            where = f"{peer} ({phase})"
+            if code == "DEADLINE_EXCEEDED" and details == "Deadline Exceeded":
+                details = f"no answer within {timeout_s:g} s"
             if code == "UNAVAILABLE":
                 self._pool.suspect(address)  # re-check its health now, not at the next round
             if code == "RESOURCE_EXHAUSTED":

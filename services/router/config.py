@@ -28,12 +28,19 @@ class RouterConfig(ServerConfig):
                                          "worker)")
     discovery_interval_s: float = option(5.0, "how often dns:/// targets are resolved again (s)")
     model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
-                                     "are read), or a built-in size (tiny, small); default: tiny")
+                                     "are read), or a built-in model (smollm2, tiny, small); "
+                                     "default: smollm2")
     model_name: str | None = option(None, "the served model's name (default: the directory "
-                                          "name, or builtin-<size>)")
+                                          "name, SmolLM2-135M-Instruct, or builtin-<size>)")
     max_retries: int = option(1, "retries on other workers before the first token")
     prefill_timeout_s: float = option(120.0, "deadline of one Prefill call (s)")
     reserve_timeout_s: float = option(5.0, "deadline of one Reserve call (s)")
+    decode_start_timeout_s: float = option(30.0, "longest wait for a decode worker to start a "
+                                                 "handed-off sequence (its first message) (s)")
+    lease_ms: float = option(5000.0, "lease of a decode reservation while its request is "
+                                     "alive: renewed every quarter of it (Decode/Renew), so a "
+                                     "dead router's pages come back after it (ms; 0: no "
+                                     "renewal, leases last --prefill-timeout-s + 10 s)")
     health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
     max_streams: int = option(256, "Generate streams served at once (server threads), per API")
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
@@ -59,8 +66,9 @@ class RouterConfig(ServerConfig):
                 "0..65535, or -1 (off)")
         require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
+        require(0 <= self.lease_ms < 1e9, "lease_ms", self.lease_ms, ">= 0 (0 = not renewed)")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s",
-                     "discovery_interval_s"):
+                     "discovery_interval_s", "decode_start_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
 
     def targets(self, role: str) -> list[Target]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from pdserve.router.api import ChatMessage, GenerateInput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY_BYTES = 16 * 1024 * 1024
+INT32 = (-(2**31), 2**31 - 1)  # integer fields travel between the services as int32,
+FLOAT32_MAX = 3.4028234663852886e38  # numbers as float32
 # Fields accepted only with a neutral value: anything else is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
@@ -61,7 +64,32 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise BadRequest(f"the request body is not valid JSON: {_short(str(exc))}") from None
     if not isinstance(doc, dict):
         raise BadRequest(f"the request body must be a JSON object, not {_kind(doc)}")
+    if _SURROGATE_ESCAPE.search(body):
+        _refuse_lone_surrogates(doc)
     return doc
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(doc: Any) -> None:
+    """A `\\ud800` escape without its pair decodes to a string that is not Unicode text (no
+    tokenizer or UTF-8 encoder takes it): refuse it here, naming where it is."""
+    stack: list[tuple[str, Any]] = [("", doc)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"{where or 'a key'}: a lone surrogate escape (\\ud800-\\udfff "
+                                 "without its pair) is not text", where.split("[")[0].split(".")[0]
+                                 or None) from None
+        elif isinstance(value, dict):
+            stack += [(where, key) for key in value]
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
 
 
 def _no_constant(name: str) -> Any:
@@ -197,7 +225,11 @@ def _typed(body: Mapping[str, Any], name: str, kind: type, prefix: str = "") -> 
 
 
 def _integer(body: Mapping[str, Any], name: str) -> int | None:
+    """An integer field; within int32 (what the services' wire carries), but `seed` (uint64,
+    its range checked by the lifecycle)."""
     value: int | None = _typed(body, name, int)
+    if value is not None and name != "seed" and not INT32[0] <= value <= INT32[1]:
+        raise BadRequest(f"{name}={_short(str(value))}: out of range (at most {INT32[1]})", name)
     return value
 
 
@@ -211,8 +243,9 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
         number = float(value)
     except OverflowError:
         number = math.inf
-    if not math.isfinite(number):
-        raise BadRequest(f"{name}={_short(repr(value))}: expected a finite number", name)
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        raise BadRequest(f"{name}={_short(repr(value))}: expected a finite number (at most "
+                         f"{FLOAT32_MAX:.4g} in size)", name)
     return number
 
 

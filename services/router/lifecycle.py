@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 
 import grpc
-from pdserve.common import tracing
+from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
@@ -94,7 +94,8 @@ class Lifecycle:
 
     def __init__(self, pool: WorkerPool, tokenizer: Tokenizer, model_name: str, *,
                  max_retries: int = 1, prefill_timeout_s: float = 120.0,
-                 reserve_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 reserve_timeout_s: float = 5.0, decode_start_timeout_s: float = 30.0,
+                 renew_lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
                  metrics: RouterMetrics | None = None):
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics()
@@ -102,8 +103,14 @@ class Lifecycle:
         self._clock = clock
         self._runner = AttemptRunner(pool, max_retries=max_retries, clock=clock,
                                      reserve_timeout_s=reserve_timeout_s,
-                                     prefill_timeout_s=prefill_timeout_s)
+                                     prefill_timeout_s=prefill_timeout_s,
+                                     decode_start_timeout_s=decode_start_timeout_s,
+                                     renew_lease_s=renew_lease_s)
         self._draining = False
+
+    def close(self) -> None:
+        """Stop the background threads (lease heartbeat, watchdog)."""
+        self._runner.close()
 
     def stop_admitting(self) -> None:
         """Refuse new requests (UNAVAILABLE); those in flight continue."""
@@ -218,6 +225,7 @@ class Lifecycle:
                 yield self._first_sent(clock, timing, record)
                 try:
                     for message in stream.messages():
+                        failpoints.hit("router.decoding", rid)
                         taken, text = completion.accept(message.token_ids)
                         if message.finish_reason and not completion.finish_reason:
                             if message.finish_reason == "abort":
@@ -235,10 +243,11 @@ class Lifecycle:
                     if scope.cancelled:
                         raise ClientCancelled() from None
                     raise ServiceError(
-                        f"decode {address} failed after {completion.tokens} tokens were "
-                        f"streamed: {exc.code().name} {exc.details()}", exc.code().name) from None
-                raise Unavailable(f"decode {address}: stream ended without a finish reason "
-                                  f"after {completion.tokens} tokens")
+                        f"decode {address} (decoding) failed after {completion.tokens} tokens "
+                        f"were streamed: {exc.code().name} {exc.details()}",
+                        exc.code().name) from None
+                raise Unavailable(f"decode {address} (decoding): stream ended without a finish "
+                                  f"reason after {completion.tokens} tokens")
         finally:
             stream.call.cancel()  # no-op once the stream has ended
             stream.span.set_attributes({"decode_start_ms": timing.decode_start_ms,

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                           interval_s=cfg.discovery_interval_s)
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
                           prefill_timeout_s=cfg.prefill_timeout_s,
-                          reserve_timeout_s=cfg.reserve_timeout_s)
+                          reserve_timeout_s=cfg.reserve_timeout_s,
+                          decode_start_timeout_s=cfg.decode_start_timeout_s,
+                          renew_lease_s=cfg.lease_ms / 1e3)
     servicer = RouterServicer(lifecycle)
     lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
     metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if http is not None:
             http.stop()
         discovery.close()
+        lifecycle.close()
         pool.close()
         shutdown_tracing()
         if metrics is not None:

@@ -8,22 +8,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms")
+    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms", "renew_lease_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     lease_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ...) -> None: ...
+    renew_lease_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ..., renew_lease_ms: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("ticket", "destination")
+    __slots__ = ("ticket", "destination", "renew_lease_ms")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ticket: _common_pb2.Ticket
     destination: _common_pb2.KVDestination
-    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ...) -> None: ...
+    renew_lease_ms: float
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ..., renew_lease_ms: _Optional[float] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("tickets", "renew_lease_ms")
+    TICKETS_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    tickets: _containers.RepeatedCompositeFieldContainer[_common_pb2.Ticket]
+    renew_lease_ms: float
+    def __init__(self, tickets: _Optional[_Iterable[_Union[_common_pb2.Ticket, _Mapping]]] = ..., renew_lease_ms: _Optional[float] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("not_held",)
+    NOT_HELD_FIELD_NUMBER: _ClassVar[int]
+    not_held: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, not_held: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("ticket", "prompt_token_ids", "first_token", "sampling")

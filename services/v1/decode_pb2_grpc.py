@@ -56,6 +56,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/pdserve.v1.Decode/Renew',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.RenewRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.RenewResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -89,6 +94,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """The holder's heartbeat (the router, for the tickets it holds on this worker, in one call):
+        keeps renewable reservations (ReserveRequest.renew_lease_ms) alive while their requests
+        are; names the tickets that hold nothing here any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.RenewRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.RenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Decode:
             '/pdserve.v1.Decode/Stats',
             pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Renew',
+            pdserve_dot_v1_dot_decode__pb2.RenewRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class WorkerConfig(ServerConfig):
     model: str = option(DEFAULT_MODEL,
-                        "a local Hugging Face model directory, or tiny / small (built-in)")
+                        "a local Hugging Face model directory, or a built-in model: "
+                        "smollm2 (SmolLM2-135M-Instruct), tiny, small (random weights)")
     dtype: str = option("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")

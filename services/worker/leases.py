@@ -15,6 +15,12 @@ agent only the write window this book opens and closes. Its states:
 - ADOPTED: a sequence owns the pages now (the book forgets the lease).
 - RELEASED / EXPIRED: the window is closed and the pages are back in the pool.
 
+A lease has two clocks. `lease_s` is the longest the pages wait for their handoff, whatever
+happens (the agent's write window is opened for that long). A renewable lease (`renew_s` > 0)
+also lapses when its holder (the router) has not renewed it for `renew_s`: the router renews
+the tickets it holds while their requests are alive (`renew`), so a long prefill keeps its
+pages and a dead router's reservations come back within `renew_s`, not after `lease_s`.
+
 Pages return to the pool only after the agent confirmed that no write can land in them any
 more; when it cannot confirm (it timed out), the lease stays WRITING with its release pending
 and `tick()` asks again. Every page is freed exactly once: by `release`, by expiry, or by a
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -90,7 +97,9 @@ class PageStore(Protocol):
 class Lease:
     key: TicketKey
     page_ids: list[int]
-    deadline: float
+    deadline: float  # expires here unless renewed (renewable leases) or released
+    cap: float = math.inf  # renewals never move the deadline past this (lease_s after reserve)
+    renew_s: float = 0.0  # a renewal moves the deadline this far ahead (0: not renewable)
     state: LeaseState = LeaseState.RESERVED
     pending_release: LeaseState | None = None  # RELEASED or EXPIRED once the window closes
     busy: bool = False  # a thread is closing its window right now (tick leaves it alone)
@@ -114,15 +123,19 @@ class LeaseBook:
         self._reaper: threading.Thread | None = None
 
     # ---- the request path ---------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float = 0.0) -> Lease:
-        """Take pages for a prompt and open the agent's write window for them."""
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float = 0.0,
+                renew_s: float = 0.0) -> Lease:
+        """Take pages for a prompt and open the agent's write window for them. The pages wait
+        at most `lease_s` (0: the default); with `renew_s` > 0 also only until no renewal came
+        for `renew_s`."""
         if not request_id:
             raise InvalidArgument("request_id is empty")
         if num_prompt_tokens <= 0:
             raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens}: must be > 0")
-        if lease_s < 0:
-            raise InvalidArgument(f"lease_ms={lease_s * 1e3:g}: must be >= 0 (0 = default)")
+        _check_duration("lease_ms", lease_s)
+        _check_duration("renew_lease_ms", renew_s)
         lease_s = lease_s or self._default_lease_s
+        renew_s = min(renew_s, lease_s)
         key = TicketKey(request_id, self.epoch)
         with self._lock:
             if request_id in self._leases:
@@ -133,7 +146,9 @@ class LeaseBook:
             except NoRoom as exc:
                 raise ResourceExhausted(f"decode worker {self.worker_id}: no room for "
                                         f"{num_prompt_tokens} prompt tokens ({exc})") from None
-            lease = Lease(key, page_ids, self._clock() + lease_s, busy=True)
+            now = self._clock()
+            lease = Lease(key, page_ids, now + (renew_s or lease_s), cap=now + lease_s,
+                          renew_s=renew_s, busy=True)
             self._leases[request_id] = lease
         if self._window is not None:
             try:
@@ -194,6 +209,24 @@ class LeaseBook:
             lease.busy = True
         self._finish_release(lease)
         return True
+
+    def renew(self, keys: list[TicketKey], renew_s: float = 0.0) -> list[str]:
+        """The holder's heartbeat: move each renewable lease's deadline to `renew_s` from now
+        (0: its own renewal period), never past its cap. Returns the request ids of the keys
+        that hold no reservation here (released, expired, adopted, another epoch, unknown)."""
+        _check_duration("renew_lease_ms", renew_s)
+        now = self._clock()
+        not_held: list[str] = []
+        with self._lock:
+            for key in keys:
+                lease = self._leases.get(key.request_id)
+                if lease is None or lease.key != key or lease.pending_release is not None:
+                    not_held.append(key.request_id)
+                    continue
+                period = min(renew_s or lease.renew_s, lease.cap - now)
+                if lease.renew_s > 0 and now + period > lease.deadline:
+                    lease.deadline = now + period
+        return not_held
 
     # ---- upkeep -------------------------------------------------------------------------
     def tick(self) -> None:
@@ -272,3 +305,9 @@ class LeaseBook:
             lease.state = state
             lease.busy = False
         self._pages.free(lease.key)
+
+
+def _check_duration(field: str, seconds: float) -> None:
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(f"{field}={seconds * 1e3:g}: must be a finite number >= 0 "
+                              "(0 = default)")

@@ -53,7 +53,10 @@ class DecodeBackend(Protocol):
     worker_id: str
     model_id: str
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float) -> Reservation: ...
+    def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
+                renew_s: float = 0.0) -> Reservation: ...
+
+    def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]: ...
 
     def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]: ...
 
@@ -115,13 +118,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           worker_id=self.worker.worker_id, model=self.worker.model_id,
                           prompt_tokens=request.num_prompt_tokens) as span:
             reservation = self.worker.reserve(request.request_id, request.num_prompt_tokens,
-                                              request.lease_ms / 1e3)
+                                              request.lease_ms / 1e3,
+                                              request.renew_lease_ms / 1e3)
             span.set_attribute("kv_pages", len(reservation.destination.page_ids))
         if not context.is_active():  # the caller gave up (cancelled, timed out): free them
             self.worker.abort(reservation.ticket)
         return decode_pb2.ReserveResponse(
             ticket=wire.ticket_to_pb(reservation.ticket, self.worker.worker_id),
             destination=wire.destination_to_pb(reservation.destination),
+            renew_lease_ms=reservation.renew_s * 1e3,
         )
 
     def Decode(
@@ -157,6 +162,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             spans[-1].set_attributes({"completion_tokens": tokens, "finish_reason": reason})
             spans[-1].end()
+
+    def Renew(self, request: decode_pb2.RenewRequest, context: grpc.ServicerContext
+              ) -> decode_pb2.RenewResponse:
+        keys = [wire.ticket_from_pb(ticket) for ticket in request.tickets]
+        return decode_pb2.RenewResponse(not_held=self.worker.renew(keys,
+                                                                   request.renew_lease_ms / 1e3))
 
     def Abort(self, request: decode_pb2.AbortRequest, context: grpc.ServicerContext
               ) -> decode_pb2.AbortResponse:

@@ -35,6 +35,7 @@ class Reservation:
 
     ticket: TicketKey
     destination: Destination
+    renew_s: float = 0.0  # the renewal period granted (0: the lease is not renewable)
 
 
 @dataclass(frozen=True)

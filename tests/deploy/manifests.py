@@ -89,13 +89,16 @@ def config_maps(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     return {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
 
 
-def field_ref(path: str) -> str:
-    return {"status.podIP": POD_IP, "metadata.name": POD_NAME, "metadata.namespace": NAMESPACE,
-            "status.hostIP": POD_IP}[path]
+def pod_fields(pod_ip: str = POD_IP, pod_name: str = POD_NAME) -> dict[str, str]:
+    """What the downward API's fieldRefs give a pod."""
+    return {"status.podIP": pod_ip, "metadata.name": pod_name, "metadata.namespace": NAMESPACE,
+            "status.hostIP": pod_ip}
 
 
-def container_env(spec: dict[str, Any], maps: dict[str, dict[str, str]]) -> dict[str, str]:
+def container_env(spec: dict[str, Any], maps: dict[str, dict[str, str]],
+                  fields: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a container starts with: envFrom ConfigMaps, then env in order."""
+    fields = fields or pod_fields()
     env: dict[str, str] = {}
     for source in spec.get("envFrom", []):
         env.update(maps[source["configMapRef"]["name"]])
@@ -103,7 +106,7 @@ def container_env(spec: dict[str, Any], maps: dict[str, dict[str, str]]) -> dict
         if "value" in var:
             env[var["name"]] = expand(var["value"], env)
         elif "fieldRef" in var.get("valueFrom", {}):
-            env[var["name"]] = field_ref(var["valueFrom"]["fieldRef"]["fieldPath"])
+            env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
         elif "configMapKeyRef" in var.get("valueFrom", {}):
             ref = var["valueFrom"]["configMapKeyRef"]
             env[var["name"]] = maps[ref["name"]][ref["key"]]
@@ -116,17 +119,17 @@ def deployments(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
 
 
-def pod_containers(deployment: dict[str, Any], maps: dict[str, dict[str, str]]
-                   ) -> Iterator[Container]:
+def pod_containers(deployment: dict[str, Any], maps: dict[str, dict[str, str]],
+                   fields: dict[str, str] | None = None) -> Iterator[Container]:
     """Every container of the Deployment's pod: its sidecars (init containers that keep
     running) and its containers."""
     pod = deployment["spec"]["template"]["spec"]
     name = deployment["metadata"]["name"]
     for spec in pod.get("initContainers", []):
         yield Container(spec["name"], spec, name, spec.get("restartPolicy") == "Always",
-                        container_env(spec, maps))
+                        container_env(spec, maps, fields))
     for spec in pod.get("containers", []):
-        yield Container(spec["name"], spec, name, False, container_env(spec, maps))
+        yield Container(spec["name"], spec, name, False, container_env(spec, maps, fields))
 
 
 def pdserve_containers(objects: list[dict[str, Any]]) -> list[Container]:

@@ -58,7 +58,7 @@ def test_every_overlay_renders_and_validates_strictly(rendered, version):
     from kubernetes_validate.utils import latest_version
 
     version = latest_version() if version == "latest" else version
-    assert set(OVERLAYS) >= {"cpu-demo", "gpu", "jaeger", "autoscaling"}
+    assert set(OVERLAYS) >= {"cpu-demo", "gpu", "jaeger", "autoscaling", "tls"}
     for overlay, objects in rendered.items():
         assert objects, f"{overlay} renders nothing"
         for obj in objects:
@@ -117,11 +117,27 @@ def by_command(objects: list[dict[str, Any]]) -> dict[str, list[Container]]:
     return found
 
 
-def probe_of(c: Container, kind: str) -> dict[str, Any]:
+def check_probe(c: Container, kind: str, cfg: Any) -> None:
+    """A gRPC health probe of the service's port: readiness asks the overall health, startup
+    and liveness `pdserve.liveness`. With TLS on (the kubelet's gRPC probes are plaintext
+    only): the router's readiness is its HTTPS /health, other probes check the port is open."""
+    where = f"{c.deployment}/{c.name}"
     probe = c.spec.get(kind)
-    assert probe, f"{c.deployment}/{c.name} has no {kind}"
-    assert "grpc" in probe, f"{c.deployment}/{c.name}: {kind} is not a gRPC health probe"
-    return probe
+    assert probe, f"{where} has no {kind}"
+    if "grpc" in probe:
+        assert not cfg.tls, f"{where}: a gRPC {kind} cannot reach a TLS port"
+        assert probe["grpc"]["port"] == cfg.port, f"{where}: {kind} port"
+        want = "" if kind == "readinessProbe" else LIVENESS_SERVICE
+        assert probe["grpc"].get("service", "") == want, f"{where}: {kind} service"
+    elif "httpGet" in probe:
+        get = probe["httpGet"]
+        assert kind == "readinessProbe" and c.command == "router", f"{where}: {kind} over HTTP"
+        assert (get["path"], get["port"]) == ("/health", "http"), f"{where}: {kind} {get}"
+        assert c.port("http") == cfg.http_port, f"{where}: {kind} port"
+        assert get.get("scheme", "HTTP") == ("HTTPS" if cfg.tls else "HTTP"), where
+    else:
+        assert cfg.tls and "tcpSocket" in probe, f"{where}: {kind} is not a gRPC health probe"
+        assert probe["tcpSocket"]["port"] == cfg.port, f"{where}: {kind} port"
 
 
 def test_every_service_has_deployment_service_probes_and_pdb(rendered):
@@ -141,10 +157,7 @@ def test_every_service_has_deployment_service_probes_and_pdb(rendered):
                 metrics = c.port("metrics" if command != "kvtransfer" else "kv-metrics")
                 assert metrics == cfg.metrics_port, f"{where}: metrics containerPort"
                 for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-                    probe = probe_of(c, kind)["grpc"]
-                    assert probe["port"] == cfg.port, f"{where}: {kind} port"
-                    want = "" if kind == "readinessProbe" else LIVENESS_SERVICE
-                    assert probe.get("service", "") == want, f"{where}: {kind} service"
+                    check_probe(c, kind, cfg)
                 if command == "kvtransfer":
                     assert c.sidecar, f"{where}: the agent is not a native sidecar"
                     continue
@@ -154,6 +167,10 @@ def test_every_service_has_deployment_service_probes_and_pdb(rendered):
                 ports = {p["port"]: p for p in service["spec"]["ports"]}
                 assert cfg.port in ports and ports[cfg.port]["targetPort"] == "grpc", \
                     f"{where}: Service {service['metadata']['name']} does not expose {cfg.port}"
+                if command == "router":  # the OpenAI-compatible HTTP API
+                    assert c.port("http") == cfg.http_port, f"{where}: http containerPort"
+                    assert ports.get(cfg.http_port, {}).get("targetPort") == "http", \
+                        f"{where}: Service {service['metadata']['name']} has no HTTP port"
                 if command in ("prefill", "decode"):
                     assert service["spec"].get("clusterIP") == "None", \
                         f"{where}: a worker pool's Service must be headless (one record a pod)"

@@ -106,7 +106,7 @@ def mib(quantity: str) -> float:
     return int(number) * MIB[unit]
 
 
-def test_worker_and_agent_share_a_memory_volume_big_enough_for_the_pool(rendered):
+def test_worker_and_agent_share_a_memory_directory_holding_the_agents_socket(rendered):
     for overlay, objects in rendered.items():
         maps = config_maps(objects)
         for name, deployment in deployments(objects).items():
@@ -118,17 +118,17 @@ def test_worker_and_agent_share_a_memory_volume_big_enough_for_the_pool(rendered
             volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
             memory = {n for n, v in volumes.items() if v.get("emptyDir", {}).get("medium")
                       == "Memory"}
-            mounts = {(m["name"], m["mountPath"]) for m in agent.spec["volumeMounts"]}
+            socket = effective_config(agent).local_socket
+            (directory,) = [m["mountPath"] for m in agent.spec["volumeMounts"]
+                            if m["name"] in memory and socket.startswith(m["mountPath"] + "/")]
             for worker in workers:
-                shared = {(n, p) for n, p in mounts if n in memory} & {
-                    (m["name"], m["mountPath"]) for m in worker.spec["volumeMounts"]}
-                assert ("kv-pool", "/dev/shm") in shared, \
-                    f"{overlay}: {name}: worker and agent do not share /dev/shm in memory"
                 cfg = effective_config(worker)
-                if cfg.device == "cpu":
-                    limit = mib(volumes["kv-pool"]["emptyDir"]["sizeLimit"])
-                    assert limit > cfg.kv_cache_mb, \
-                        f"{overlay}: {name}: kv-pool sizeLimit {limit} MiB < pool"
+                assert any(m["name"] in memory and m["mountPath"] == directory
+                           for m in worker.spec["volumeMounts"]), \
+                    f"{overlay}: {name}: the worker does not mount the agent's {directory}"
+                assert cfg.kv_agent_socket == socket, \
+                    f"{overlay}: {name}: worker's --kv-agent-socket {cfg.kv_agent_socket!r}"
+                if cfg.device == "cpu":  # the pool is the worker's memory
                     memory_limit = mib(worker.spec["resources"]["limits"]["memory"])
                     assert memory_limit > cfg.kv_cache_mb, f"{overlay}: {name} memory limit"
 
@@ -180,3 +180,15 @@ def test_pods_run_as_the_images_user(rendered):
             assert context["runAsNonRoot"] is True, f"{overlay}: {name}"
             assert (str(context["runAsUser"]), str(context["runAsGroup"])) == user, \
                 f"{overlay}: {name} runs as {context['runAsUser']}, the image's user is {user}"
+
+
+def test_tls_is_on_for_every_service_or_for_none(rendered):
+    for overlay, objects in rendered.items():
+        on = {f"{c.deployment}/{c.name}": effective_config(c).tls
+              for c in by_command_all(objects)}
+        assert len(set(on.values())) == 1, f"{overlay}: TLS on only for some services: {on}"
+    assert all(effective_config(c).tls for c in by_command_all(rendered["tls"]))
+
+
+def by_command_all(objects: list[dict[str, Any]]) -> list[Any]:
+    return [c for containers in by_command(objects).values() for c in containers]

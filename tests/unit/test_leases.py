@@ -225,3 +225,76 @@ def test_without_a_window_the_pages_are_written_locally(parts):
     lease = book.reserve("r1", 20)
     assert book.adopt(lease.key, lambda lease_: len(lease_.page_ids)) == 2
     assert lease.state is LeaseState.ADOPTED
+
+
+# ---- leases that follow the work: renewal by the holder ---------------------------------
+
+def test_a_renewed_lease_outlives_its_renewal_period_while_renewed(parts):
+    book, pages, _, clock, expired = parts
+    lease = book.reserve("r1", 20, lease_s=60.0, renew_s=2.0)
+    assert lease.deadline == clock.now + 2.0 and lease.renew_s == 2.0
+    for _ in range(10):  # 15 s of heartbeats every 1.5 s: far past the 2 s period
+        clock.now += 1.5
+        assert book.renew([lease.key]) == []
+        book.tick()
+    assert lease.state is LeaseState.WRITING and expired == [] and pages.freed == []
+
+
+def test_a_lease_nobody_renews_lapses_after_its_renewal_period_not_its_cap(parts):
+    book, pages, window, clock, expired = parts
+    lease = book.reserve("r1", 20, lease_s=60.0, renew_s=2.0)
+    clock.now += 1.9
+    book.tick()
+    assert lease.state is LeaseState.WRITING
+    clock.now += 0.1
+    book.tick()
+    assert lease.state is LeaseState.EXPIRED and expired == [lease.key]
+    assert pages.freed == [lease.key] and lease.key in window.closes
+
+
+def test_renewals_never_move_a_lease_past_its_cap(parts):
+    book, _, _, clock, expired = parts
+    lease = book.reserve("r1", 20, lease_s=5.0, renew_s=2.0)
+    for _ in range(4):
+        clock.now += 1.0
+        book.renew([lease.key])
+    assert lease.deadline == lease.cap == 105.0  # reserved at 100 with a 5 s cap
+    clock.now = 105.0
+    book.tick()
+    assert expired == [lease.key]
+
+
+def test_renew_names_what_it_does_not_hold(parts):
+    book, _, window, clock, _ = parts
+    held = book.reserve("held", 20, renew_s=2.0)
+    released = book.reserve("released", 20, renew_s=2.0)
+    adopted = book.reserve("adopted", 20, renew_s=2.0)
+    book.release("released")
+    window.landed.add(adopted.key)
+    book.adopt(adopted.key, lambda _: None)
+    forged = TicketKey("held", EPOCH + 1)  # the right request id, another epoch
+    not_held = book.renew([held.key, released.key, adopted.key, forged,
+                           TicketKey("unknown", EPOCH)])
+    assert not_held == ["released", "adopted", "held", "unknown"]
+    assert held.deadline == clock.now + 2.0
+
+
+def test_renewal_period_is_bounded_by_the_lease_and_bad_durations_are_refused(parts):
+    book, _, _, clock, _ = parts
+    lease = book.reserve("r1", 20, lease_s=1.0, renew_s=30.0)
+    assert lease.renew_s == 1.0 and lease.deadline == lease.cap == clock.now + 1.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="renew_lease_ms=.*finite number >= 0"):
+            book.reserve("r2", 20, renew_s=bad)
+        with pytest.raises(InvalidArgument, match="lease_ms=.*finite number >= 0"):
+            book.reserve("r2", 20, lease_s=bad)
+        with pytest.raises(InvalidArgument, match="renew_lease_ms"):
+            book.renew([lease.key], bad)
+    assert len(book) == 1
+
+
+def test_an_unrenewable_lease_is_held_but_not_extended(parts):
+    book, _, _, clock, _ = parts
+    lease = book.reserve("r1", 20, lease_s=3.0)
+    clock.now += 2.0
+    assert book.renew([lease.key], 10.0) == [] and lease.deadline == 103.0
