@@ -35,9 +35,10 @@ class TransferReport:
     kv_pages: int = 0
     transport: str = ""  # "shm", "ucx", "tcp", "local", or "" when no handoff ran
     num_runs: int = 0
-    # The whole transfer, first page shipped -> last page resident. With pipelining (pages
-    # shipped chunk by chunk while prefill still runs) `handoff_ms` is only its exposed part:
-    # KV of the whole prompt ready -> every page resident. Without, the two are equal.
+    # The whole transfer's duration: time spent moving pages (per part, send -> resident,
+    # summed). With pipelining (pages shipped chunk by chunk while prefill still runs)
+    # `handoff_ms` is only its exposed part: KV of the whole prompt ready -> every page
+    # resident. An agent's own report of one SendPages has the two equal.
     total_ms: float = 0.0
 
 
@@ -71,7 +72,8 @@ def destination_from_json(obj: Any) -> Destination:
 
 
 def report_to_json(r: TransferReport) -> dict[str, Any]:
-    return dataclasses.asdict(r)
+    return {"handoff_ms": r.handoff_ms, "kv_bytes": r.kv_bytes, "kv_pages": r.kv_pages,
+            "transport": r.transport, "num_runs": r.num_runs, "total_ms": r.total_ms}
 
 
 def report_from_json(obj: Any) -> TransferReport:

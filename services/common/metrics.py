@@ -76,6 +76,10 @@ class RouterMetrics:
         self.kv_transfer = Histogram("pdserve_kv_transfer_seconds", "KV ready on prefill -> "
                                      "resident on decode (TTFT component)", ("transport",),
                                      buckets=FAST_BUCKETS, registry=r)
+        self.kv_transfer_total = Histogram(
+            "pdserve_kv_transfer_total_seconds", "the whole KV transfer's duration (time spent "
+            "moving pages); pipelined with chunked prefill, only pdserve_kv_transfer_seconds of "
+            "it adds to TTFT", ("transport",), buckets=FAST_BUCKETS, registry=r)
         self.decode_start = Histogram("pdserve_decode_start_seconds", "KV resident on decode "
                                       "-> sequence live in its batch (TTFT component)",
                                       buckets=FAST_BUCKETS, registry=r)
@@ -97,13 +101,15 @@ class RouterMetrics:
 
     def first_token(self, queue_ms: float, prefill_ms: float, kv_transfer_ms: float,
                     ttft_ms: float, kv_bytes: int, transport: str, attempts: int,
-                    api: str = "grpc") -> None:
+                    api: str = "grpc", kv_transfer_total_ms: float | None = None) -> None:
         """The first token went out: TTFT and its components (decode_start comes apart)."""
         self.ttft.labels(api).observe(ttft_ms / 1e3)
         self.queue.observe(queue_ms / 1e3)
         self.prefill.observe(prefill_ms / 1e3)
         if transport:  # no handoff when the request ended at its first token
             self.kv_transfer.labels(transport).observe(kv_transfer_ms / 1e3)
+            total_ms = kv_transfer_ms if kv_transfer_total_ms is None else kv_transfer_total_ms
+            self.kv_transfer_total.labels(transport).observe(total_ms / 1e3)
             self.kv_bytes.labels(transport).inc(kv_bytes)
         self.retries.inc(max(0, attempts - 1))
 

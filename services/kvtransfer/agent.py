@@ -24,6 +24,7 @@ destination for the grant (GrantWrite, over the authenticated control channel) f
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import threading
 import time
@@ -276,7 +277,7 @@ class Agent:
         if len(runs) > MAX_RUNS:
             raise BadRequest(f"{len(runs)} separate runs in one handoff (limit {MAX_RUNS})")
         header = WriteHeader(
-            xfer_id=secrets.randbits(36), ticket=key, dst_agent_epoch=dest.agent_epoch,
+            xfer_id=random.getrandbits(36), ticket=key, dst_agent_epoch=dest.agent_epoch,
             dst_pool_id=dest.pool_id, fingerprint=pool.fingerprint, page_bytes=pool.page_bytes,
             dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3,
             traceparent=tracing.traceparent(), sender=self.agent_id)
@@ -289,9 +290,10 @@ class Agent:
         elapsed_ms = (time.perf_counter() - started) * 1e3
         report = TransferReport(elapsed_ms, header.kv_bytes, len(src_page_ids), transport,
                                 len(runs), elapsed_ms)
-        outcome(log, "handoff", level=logging.DEBUG, request_id=key.request_id,
-                handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes, runs=report.num_runs,
-                transport=transport)
+        if log.isEnabledFor(logging.DEBUG):
+            outcome(log, "handoff", level=logging.DEBUG, request_id=key.request_id,
+                    handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes,
+                    runs=report.num_runs, transport=transport)
         return report, peer
 
     def _copy_local(self, header: WriteHeader, pool: Pool, runs: list[PageRun]) -> None:
@@ -338,7 +340,7 @@ class Agent:
                 if attempt or not retry or time.monotonic() >= deadline:
                     raise
                 log.info("handoff to %s: %s; asking the agent again", dest.agent_address, exc)
-                header = replace(header, xfer_id=secrets.randbits(36))
+                header = replace(header, xfer_id=random.getrandbits(36))
         raise AssertionError("unreachable")
 
     def _send_same_host(self, peer: PeerInfo, header: WriteHeader, pool: Pool,

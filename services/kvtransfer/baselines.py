@@ -19,6 +19,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -51,14 +53,18 @@ def _set_buffers(sock: socket.socket, nbytes: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
 
 
-def receiver_main(port_q: mp.Queue[int], host: str, nbytes: int) -> None:
+def receiver_main(port_q: mp.Queue[int] | None, host: str, nbytes: int) -> None:
     """The receiving process: one connection per variant, each read straight into one
-    pre-faulted buffer; a one-byte acknowledgement per handoff."""
+    pre-faulted buffer; a one-byte acknowledgement per handoff. Its port goes to `port_q`, or
+    to stdout (run as `python -m pdserve.kvtransfer.baselines HOST NBYTES`)."""
     dst = np.empty(max(nbytes, 1), dtype=np.uint8)
     dst.fill(1)  # fault every page in before anything is measured
     view = dst.data.cast("B")
     server = socket.create_server((host, 0), backlog=len(VARIANTS))
-    port_q.put(server.getsockname()[1])
+    if port_q is None:
+        print(server.getsockname()[1], flush=True)
+    else:
+        port_q.put(server.getsockname()[1])
 
     def serve(conn: socket.socket) -> None:
         with conn:
@@ -91,10 +97,13 @@ def receiver_main(port_q: mp.Queue[int], host: str, nbytes: int) -> None:
 
 
 class RawTcp:
-    """The raw TCP bound: `copy_ms(data)` per variant, `best_gb_s(...)` over the variants."""
+    """The raw TCP bound: `copy_ms(data)` per variant. The receiver is a process started here
+    on this host, or `receiver` (listening at host:port; stopped by `close`)."""
 
-    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0,
+                 receiver: subprocess.Popen[bytes] | None = None):
         self.proc: mp.process.BaseProcess | None = None
+        self.receiver = receiver
         if not port:
             ctx = mp.get_context("spawn")
             port_q: mp.Queue[int] = ctx.Queue()
@@ -132,6 +141,9 @@ class RawTcp:
         if self.proc is not None:
             self.proc.terminate()
             self.proc.join(timeout=10)
+        if self.receiver is not None:
+            self.receiver.terminate()
+            self.receiver.wait(timeout=10)
 
 
 @dataclass
@@ -172,3 +184,7 @@ class BoundSamples:
 
 def gb_s(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6 if ms > 0 else 0.0
+
+
+if __name__ == "__main__":  # a raw TCP receiver on another host (network namespace)
+    receiver_main(None, sys.argv[1], int(sys.argv[2]))

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pdserve.common.layout import LayoutFingerprint
@@ -35,6 +37,18 @@ REPLY_BYTES = 1024  # a reply always fits in this many bytes (the message is cut
 MAX_RUNS = 1 << 17
 MAX_BODY_BYTES = 1 << 16
 MAX_HEADER_BYTES = PREFIX_BYTES + MAX_BODY_BYTES + 8 * MAX_RUNS  # about 1.1 MiB
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint_json(fp: LayoutFingerprint) -> dict[str, Any]:
+    """A pool's layout as JSON fields (a few layouts per agent: made once each). Read-only."""
+    return dataclasses.asdict(fp)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(**fields: Any) -> LayoutFingerprint:
+    """The layout a header names (validated once per distinct layout)."""
+    return LayoutFingerprint(**fields)
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,7 @@ class WriteHeader:
         body = json.dumps({
             "xfer_id": self.xfer_id, "request_id": self.ticket.request_id,
             "ticket_epoch": self.ticket.epoch, "dst_agent_epoch": self.dst_agent_epoch,
-            "dst_pool_id": self.dst_pool_id, "fingerprint": dataclasses.asdict(self.fingerprint),
+            "dst_pool_id": self.dst_pool_id, "fingerprint": _fingerprint_json(self.fingerprint),
             "page_bytes": self.page_bytes, "timeout_ms": self.timeout_ms,
             "reply_to": base64.b64encode(self.reply_to).decode(),
             **({"traceparent": self.traceparent} if self.traceparent else {}),
@@ -99,7 +113,7 @@ class WriteHeader:
                 xfer_id=int(body["xfer_id"]),
                 ticket=TicketKey(str(body["request_id"]), int(body["ticket_epoch"])),
                 dst_agent_epoch=int(body["dst_agent_epoch"]), dst_pool_id=str(body["dst_pool_id"]),
-                fingerprint=LayoutFingerprint(**body["fingerprint"]),
+                fingerprint=_fingerprint(**body["fingerprint"]),
                 page_bytes=int(body["page_bytes"]),
                 dst_runs=tuple((int(a), int(b)) for a, b in runs.reshape(-1, 2)),
                 timeout_ms=float(body["timeout_ms"]),

@@ -85,6 +85,7 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
         assert moved("router", f"pdserve_{metric}_seconds_count") == N, metric
     assert moved("router", "pdserve_ttft_seconds_count", api="grpc") == N
     assert moved("router", "pdserve_kv_transfer_seconds_count", transport="shm") == N
+    assert moved("router", "pdserve_kv_transfer_total_seconds_count", transport="shm") == N
     ttft_s = sum(t.ttft_ms for t in timings) / 1e3
     assert moved("router", "pdserve_ttft_seconds_sum", api="grpc") == pytest.approx(ttft_s,
                                                                                   rel=1e-6)

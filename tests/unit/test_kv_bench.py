@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pdserve.kvtransfer.baselines import VARIANTS, BoundSamples, RawTcp
-from pdserve.kvtransfer.bench import MIB, Row, bound_checks, report, targets
+from pdserve.kvtransfer.benchreport import MIB, Row, bound_checks, report, targets
 
 pytestmark = pytest.mark.unit
 
