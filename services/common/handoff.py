@@ -7,6 +7,7 @@ agent (pdserve.common.localsock)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +53,22 @@ def ticket_from_json(obj: Any) -> TicketKey:
 
 
 def fingerprint_to_json(fp: LayoutFingerprint | None) -> dict[str, Any] | None:
-    return None if fp is None else dataclasses.asdict(fp)
+    return None if fp is None else _fingerprint_json(fp)
 
 
 def fingerprint_from_json(obj: Any) -> LayoutFingerprint | None:
-    return None if obj is None else LayoutFingerprint(**obj)
+    return None if obj is None else _fingerprint(**obj)
+
+
+# A worker has one layout: made into JSON (and validated back) once, not once per handoff.
+@functools.lru_cache(maxsize=64)
+def _fingerprint_json(fp: LayoutFingerprint) -> dict[str, Any]:
+    return dataclasses.asdict(fp)  # shared: callers only serialize it
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(**fields: Any) -> LayoutFingerprint:
+    return LayoutFingerprint(**fields)
 
 
 def destination_to_json(d: Destination) -> dict[str, Any]:

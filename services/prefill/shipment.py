@@ -29,7 +29,8 @@ from dataclasses import replace
 from pdserve.common.errors import Aborted
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.tickets import TicketKey
-from pdserve.worker.agent_client import AgentClient, Send
+from pdserve.worker.agent_calls import Send
+from pdserve.worker.agent_client import AgentClient
 
 
 class Shipment:
