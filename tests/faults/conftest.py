@@ -69,8 +69,7 @@ _CANARY_IDS = itertools.count()
 
 class Canary:
     """Greedy requests one after another until stopped; every output must be the reference.
-    Request ids are never reused: a decode worker's agent refuses a ticket it closed less than
-    a minute ago (its retention), so a client that reuses an id that soon gets UNAVAILABLE."""
+    Each has its own request id, so a failure names the one request that failed."""
 
     def __init__(self, fs: FaultStack, reference, prompt: str = PROMPTS[2]):
         self._fs = fs
