@@ -59,6 +59,7 @@ def _build(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     try:
         subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lmvec", "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users (an image's) must load it
         os.replace(tmp, target)  # atomic: a concurrent build by another process is harmless
     finally:
         if os.path.exists(tmp):
@@ -123,6 +124,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.paged_attention_f32.argtypes = _ARGTYPES
     lib.paged_attention_f32.restype = ctypes.c_int
+    log.info("paged attention kernel: %s", target.name)
     _lib = lib
     return lib
 
