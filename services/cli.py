@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.bench", "engine decode throughput vs transformers"),
     "kv": ("pdserve.kvtransfer.bench", "KV handoff throughput per transport vs raw TCP and memcpy"),
+    "handoff": ("pdserve.loadgen.handoff", "the KV handoff through the whole request path, as "
+                                           "the router reports it (one page; long prompts)"),
     "serve": ("pdserve.loadgen.main", "latency, throughput and goodput of a deployment (gRPC or "
                                       "OpenAI API), side by side"),
 }
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(BENCHES, "pdserve bench", argv[1:])
     if argv and argv[0] == "model":
         return _dispatch({"model": COMMANDS["model"]}, "pdserve", argv)
-    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv|serve")}
+    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv|handoff|serve")}
     return _dispatch(table, "pdserve", argv)
 
 

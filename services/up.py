@@ -51,6 +51,9 @@ class UpConfig:
                                         "this host, and copy pages straight from the sender's "
                                         "pool (kv_transport shm); off: every handoff takes "
                                         "--transport")
+    pipeline_handoff: bool = option(True, "prefill ships the pages each prompt chunk completes "
+                                          "while the next chunk computes (off: all after the "
+                                          "last chunk)")
     colocated: bool = option(False, "one co-located engine instead of prefill + decode workers")
     port: int = option(50051, "router port")
     http_port: int = option(8000, "router's OpenAI-compatible HTTP port (0 = any free port, "
@@ -210,9 +213,10 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
                                                     addr.rsplit(":", 1)[1], "--kv-agent", agent_b,
                                                     *worker_common]))
         for i, addr in enumerate(prefill_addrs):
-            procs.append(Proc(f"prefill-{i}", addr, [*py, "pdserve.prefill.main", "--port",
-                                                     addr.rsplit(":", 1)[1], "--kv-agent", agent_a,
-                                                     *worker_common]))
+            procs.append(Proc(f"prefill-{i}", addr, [
+                *py, "pdserve.prefill.main", "--port", addr.rsplit(":", 1)[1], "--kv-agent",
+                agent_a, *worker_common,
+                "--pipeline-handoff" if cfg.pipeline_handoff else "--no-pipeline-handoff"]))
     procs.append(Proc("router", f"127.0.0.1:{cfg.port}", [
         *py, "pdserve.router.main", "--port", str(cfg.port), "--http-port", str(cfg.http_port),
         "--model", str(model_dir),

@@ -7,6 +7,7 @@ agent (pdserve.common.localsock)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,10 @@ class TransferReport:
     kv_pages: int = 0
     transport: str = ""  # "shm", "ucx", "tcp", "local", or "" when no handoff ran
     num_runs: int = 0
-    # The whole transfer, first page shipped -> last page resident. With pipelining (pages
-    # shipped chunk by chunk while prefill still runs) `handoff_ms` is only its exposed part:
-    # KV of the whole prompt ready -> every page resident. Without, the two are equal.
+    # The whole transfer's duration: time spent moving pages (per part, send -> resident,
+    # summed). With pipelining (pages shipped chunk by chunk while prefill still runs)
+    # `handoff_ms` is only its exposed part: KV of the whole prompt ready -> every page
+    # resident. An agent's own report of one SendPages has the two equal.
     total_ms: float = 0.0
 
 
@@ -51,11 +53,22 @@ def ticket_from_json(obj: Any) -> TicketKey:
 
 
 def fingerprint_to_json(fp: LayoutFingerprint | None) -> dict[str, Any] | None:
-    return None if fp is None else dataclasses.asdict(fp)
+    return None if fp is None else _fingerprint_json(fp)
 
 
 def fingerprint_from_json(obj: Any) -> LayoutFingerprint | None:
-    return None if obj is None else LayoutFingerprint(**obj)
+    return None if obj is None else _fingerprint(**obj)
+
+
+# A worker has one layout: made into JSON (and validated back) once, not once per handoff.
+@functools.lru_cache(maxsize=64)
+def _fingerprint_json(fp: LayoutFingerprint) -> dict[str, Any]:
+    return dataclasses.asdict(fp)  # shared: callers only serialize it
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(**fields: Any) -> LayoutFingerprint:
+    return LayoutFingerprint(**fields)
 
 
 def destination_to_json(d: Destination) -> dict[str, Any]:
@@ -71,7 +84,8 @@ def destination_from_json(obj: Any) -> Destination:
 
 
 def report_to_json(r: TransferReport) -> dict[str, Any]:
-    return dataclasses.asdict(r)
+    return {"handoff_ms": r.handoff_ms, "kv_bytes": r.kv_bytes, "kv_pages": r.kv_pages,
+            "transport": r.transport, "num_runs": r.num_runs, "total_ms": r.total_ms}
 
 
 def report_from_json(obj: Any) -> TransferReport:

@@ -253,8 +253,13 @@ class Engine:
             self.waiting.remove(seq)
             out = self._append(seq, token, ms, prefill=True)
             out.prefill_ms = (end - (seq.prefill_started_at or start)) * 1e3
+            out.done_at = end
             seq.prefill_started_at = None  # a recompute after preemption measures anew
             outputs.append(out)
+        if self.config.role == "prefill":  # the pages a chunk completed can ship already
+            outputs += [StepOutput(s.seq_id, None, page_ids=pages(s.seq_id)[:n], done_at=end)
+                        for s, _ in plan if s.status is Status.WAITING
+                        and (n := s.num_cached // self.config.block_size)]
         return outputs
 
     def _ensure_decode_pages(self) -> None:

@@ -43,7 +43,9 @@ class Sequence:
 
 @dataclasses.dataclass
 class StepOutput:
-    """What one step did for one sequence: a new token and/or its end."""
+    """What one step did for one sequence: a new token and/or its end. Prefill role: also
+    after each chunk that does not end the prompt, with no token and `page_ids` the pages
+    whose KV is complete so far (they can ship while the next chunk runs)."""
 
     seq_id: str
     token: int | None
@@ -51,3 +53,9 @@ class StepOutput:
     page_ids: list[int] | None = None  # prefill role: the pages holding the prompt's KV
     compute_ms: float = 0.0
     prefill_ms: float = 0.0            # on a prefill's output: first chunk start -> token sampled
+    done_at: float = 0.0               # prefill role: perf_counter when the step ended (KV ready)
+
+    @property
+    def progress(self) -> bool:
+        """A prefill chunk's pages, not a token."""
+        return self.token is None and self.finish_reason is None

@@ -10,7 +10,7 @@ same-host path, which call `accept` / `finish` on the agent's sink for them (rec
 Where pages go is decided per destination: the same agent -> one local copy; an agent on this
 host (its local socket reachable and its token found there, see shm.py) -> it copies the pages
 straight out of this pool, mapped read-only: one memory copy; else the network transport (UCX
-or TCP). A same-host attempt that turns out impossible falls back to the network.
+or TCP). A same-host attempt that turns out impossible falls back to the network (sender.py).
 
 `epoch` is drawn fresh at every start (milliseconds since 1970 shifted left 16 bits, plus 16
 random bits): a sender that sees a different epoch than the one a reservation was made at
@@ -27,39 +27,30 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
-from pdserve.common import failpoints, tracing
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
-from pdserve.common.logs import outcome
 from pdserve.common.metrics import AgentMetrics
 from pdserve.common.security import ChannelSecurity
 from pdserve.common.shm import SharedSegment
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.errors import (
     BadRequest,
-    PeerUnavailable,
-    SegmentUnavailable,
-    StaleEpoch,
     TicketBusy,
-    TransportMismatch,
     Unauthorized,
     UnknownPool,
-    cause,
 )
 from pdserve.kvtransfer.grants import GrantBook, GrantedSink
-from pdserve.kvtransfer.peers import PeerDirectory, PeerInfo
-from pdserve.kvtransfer.pool import Pool, expect_same, map_by_name
+from pdserve.kvtransfer.peers import PeerDirectory
+from pdserve.kvtransfer.pool import Pool, map_by_name
 from pdserve.kvtransfer.receive import AgentSink, check_pages
-from pdserve.kvtransfer.runs import PageRun, coalesce
+from pdserve.kvtransfer.sender import Sender
 from pdserve.kvtransfer.shm import ShmSender
 from pdserve.kvtransfer.tickets import Status, TicketBook
 from pdserve.kvtransfer.traced import traced_sink
 from pdserve.kvtransfer.transport import PeerContact, Transport, WriteSink
-from pdserve.kvtransfer.wire import MAX_RUNS, WriteHeader
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -68,7 +59,6 @@ MAX_LEASE_S = 3600.0
 # A sender asks for its grant right before it sends the header, so the grant has to outlive
 # only that gap; a short life keeps the grants of tickets that never got a write few.
 GRANT_TTL_S = 300.0
-LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a sender gives up
 
 
 @dataclass(frozen=True)
@@ -106,13 +96,14 @@ class Agent:
         self.peers = PeerDirectory(security=security)
         # Mutual TLS: writes need this agent's grant; sends ask the destination for one.
         self.grants = GrantBook(ttl_s=GRANT_TTL_S) if grant_writes else None
-        self._ask_grants = security is not None and bool(security.cert)
+        self.ask_grants = security is not None and bool(security.cert)
         self.local_socket = local_socket
         self.local_token = secrets.token_bytes(16)
         self.same_host_copy = same_host_copy and bool(local_socket)
         self.shm = ShmSender(agent_id, self.peers) if self.same_host_copy else None
         self.shm_sink: WriteSink = AgentSink(self, "shm")
-        self._contact = PeerContact(agent_id)
+        self.contact = PeerContact(agent_id)
+        self._sender = Sender(self)
         self._pools: dict[str, Pool] = {}
         self._lock = threading.Lock()
         self._next_pool = 0
@@ -125,7 +116,7 @@ class Agent:
         self.shm_sink = self._guarded(AgentSink(self, "shm"), "shm")
         contact = self.transport.start(self._guarded(AgentSink(self, self.transport.name),
                                                      self.transport.name))
-        self._contact = replace(contact, agent_id=self.agent_id)
+        self.contact = replace(contact, agent_id=self.agent_id)
         self._janitor.start()
         log.info("agent %s up: epoch %d, transport %s, local socket %s, same-host copy %s",
                  self.agent_id, self.epoch, self.transport.name, self.local_socket or "none",
@@ -155,8 +146,8 @@ class Agent:
     def info(self) -> AgentInfo:
         with self._lock:
             pool_ids = tuple(self._pools)
-        return AgentInfo(self.agent_id, self.epoch, self._contact.ucx_worker_address,
-                         self._contact.tcp_address, self.transport.name, pool_ids,
+        return AgentInfo(self.agent_id, self.epoch, self.contact.ucx_worker_address,
+                         self.contact.tcp_address, self.transport.name, pool_ids,
                          self.local_socket, self.local_token, self.same_host_copy)
 
     def register_pool(self, worker_id: str, shm_name: str, num_pages: int, page_bytes: int,
@@ -246,133 +237,7 @@ class Agent:
     def send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],
                    dest: Destination, timeout_ms: float) -> TransferReport:
         """Copy the pages to the destination; returns once they are resident there."""
-        try:
-            report = self._send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
-        except Exception as exc:
-            self.metrics.failed(cause(exc), "send")
-            raise
-        self.metrics.sent(report.transport, report.kv_bytes, report.kv_pages,
-                          report.handoff_ms / 1e3)
-        return report
-
-    def _send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],
-                    dest: Destination, timeout_ms: float) -> TransferReport:
-        started = time.perf_counter()
-        failpoints.hit("kv.send", key.request_id)
-        if timeout_ms < 0:
-            raise BadRequest(f"timeout_ms must be >= 0 (0 = default), got {timeout_ms:g}")
-        timeout_s = timeout_ms / 1e3 if timeout_ms > 0 else self.default_timeout_s
-        pool = self.pool(src_pool_id)
-        if not src_page_ids:
-            raise BadRequest("src_page_ids is empty")
-        check_pages(src_page_ids, pool.num_pages, "src_page_ids")
-        if dest.fingerprint is not None:
-            expect_same(pool.fingerprint, dest.fingerprint, "source", "destination")
-        try:
-            runs = coalesce(src_page_ids, dest.page_ids)
-        except ValueError as exc:
-            raise BadRequest(f"src_page_ids / destination.page_ids: {exc}") from None
-        if len(runs) > MAX_RUNS:
-            raise BadRequest(f"{len(runs)} separate runs in one handoff (limit {MAX_RUNS})")
-        header = WriteHeader(
-            xfer_id=secrets.randbits(36), ticket=key, dst_agent_epoch=dest.agent_epoch,
-            dst_pool_id=dest.pool_id, fingerprint=pool.fingerprint, page_bytes=pool.page_bytes,
-            dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3,
-            traceparent=tracing.traceparent())
-        if dest.agent_epoch == self.epoch:
-            self._copy_local(header, pool, runs)
-            transport = "local"
-        else:
-            transport = self._send_remote(dest, header, pool, runs, time.monotonic() + timeout_s)
-        elapsed_ms = (time.perf_counter() - started) * 1e3
-        report = TransferReport(elapsed_ms, header.kv_bytes, len(src_page_ids), transport,
-                                len(runs), elapsed_ms)
-        outcome(log, "handoff", level=logging.DEBUG, request_id=key.request_id,
-                handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes, runs=report.num_runs,
-                transport=transport)
-        return report
-
-    def _copy_local(self, header: WriteHeader, pool: Pool, runs: list[PageRun]) -> None:
-        sink = AgentSink(self, "local")
-        write = sink.accept(header)
-        ok = False
-        try:
-            for run, dst in zip(runs, write.dst_views):
-                np.copyto(dst, pool.pages(run.src_start, run.num_pages))
-            ok = True
-        finally:
-            sink.finish(write, ok)
-
-    def _send_remote(self, dest: Destination, header: WriteHeader, pool: Pool,
-                     runs: list[PageRun], deadline: float) -> str:
-        """Move the runs to another agent; returns the path taken ("shm" or the transport)."""
-        for attempt in range(2):
-            peer = self.peers.lookup(dest.agent_address, dest.agent_epoch)
-            if self._ask_grants:
-                header = replace(header, grant=self.peers.grant(
-                    dest.agent_address, header.ticket, self._contact.ucx_worker_address))
-            try:
-                if self.shm is not None and self.shm.usable(peer) and self._send_same_host(
-                        peer, replace(header, reply_to=self._contact.ucx_worker_address), pool,
-                        runs, deadline):
-                    return "shm"
-                if peer.transport != self.transport.name:
-                    raise TransportMismatch(
-                        f"this agent moves pages over {self.transport.name}, agent "
-                        f"{peer.agent_id} at {peer.address} over {peer.transport}; run both "
-                        "with the same --transport")
-                views = [pool.pages(r.src_start, r.num_pages) for r in runs]
-                self.transport.send(peer.contact, header, views,
-                                    max(0.001, deadline - time.monotonic()),
-                                    liveness=self._liveness(dest))
-                return self.transport.name
-            except (PeerUnavailable, StaleEpoch) as exc:
-                self.peers.forget(dest.agent_address)
-                self.transport.forget(peer.contact)
-                if self.shm is not None:
-                    self.shm.forget(dest.agent_address)
-                retry = isinstance(exc, PeerUnavailable) and exc.retryable
-                if attempt or not retry or time.monotonic() >= deadline:
-                    raise
-                log.info("handoff to %s: %s; asking the agent again", dest.agent_address, exc)
-                header = replace(header, xfer_id=secrets.randbits(36))
-        raise AssertionError("unreachable")
-
-    def _send_same_host(self, peer: PeerInfo, header: WriteHeader, pool: Pool,
-                        runs: list[PageRun], deadline: float) -> bool:
-        """The same-host copy; False (and the peer remembered as remote) when it cannot be
-        used, so the caller falls back to the network transport."""
-        assert self.shm is not None
-        try:
-            self.shm.send(peer, header, pool, runs, deadline, self._liveness_of(peer))
-            return True
-        except SegmentUnavailable as exc:
-            self.shm.mark_remote(peer)
-            log.info("agent %s at %s is not reachable on this host (%s): handoffs to it go "
-                     "over %s", peer.agent_id, peer.address, exc, self.transport.name)
-            return False
-
-    def _liveness(self, dest: Destination) -> Callable[[], None]:
-        return self._check_alive(dest.agent_address, dest.agent_epoch)
-
-    def _liveness_of(self, peer: PeerInfo) -> Callable[[], None]:
-        return self._check_alive(peer.address, peer.epoch)
-
-    def _check_alive(self, address: str, epoch: int) -> Callable[[], None]:
-        """Raise StaleEpoch at once if the destination restarted, PeerUnavailable once its
-        agent missed LIVENESS_FAILURES checks in a row."""
-        failures = 0
-
-        def check() -> None:
-            nonlocal failures
-            try:
-                self.peers.check(address, epoch)
-                failures = 0
-            except PeerUnavailable:
-                failures += 1
-                if failures >= LIVENESS_FAILURES:
-                    raise
-        return check
+        return self._sender.send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
 
     # ---- internals --------------------------------------------------------------------
     def pool(self, pool_id: str) -> Pool:

@@ -10,15 +10,19 @@ buffers (kernel autotuning, or large fixed buffers) and write size (the whole ha
 `sendall`, or writes of 4 MiB, 1 MiB, 256 KiB) runs each repetition; the bound is the best
 variant's median. `--netns` runs the receiver inside another network namespace (see netns.py).
 
-Memory copy: `np.copyto` of the same bytes into a destination touched beforehand (no page
-faults in the measurement), on one thread, as one handoff's copy runs.
+Memory copy: the same bytes into a destination touched beforehand (no page faults in the
+measurement), on one thread, as one handoff's copy runs: numpy's copy in one call, in the
+same-host copy's 8 MiB slices, and libc's memcpy; the bound is the best variant's median.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -51,14 +55,18 @@ def _set_buffers(sock: socket.socket, nbytes: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, plain, nbytes)
 
 
-def receiver_main(port_q: mp.Queue[int], host: str, nbytes: int) -> None:
+def receiver_main(port_q: mp.Queue[int] | None, host: str, nbytes: int) -> None:
     """The receiving process: one connection per variant, each read straight into one
-    pre-faulted buffer; a one-byte acknowledgement per handoff."""
+    pre-faulted buffer; a one-byte acknowledgement per handoff. Its port goes to `port_q`, or
+    to stdout (run as `python -m pdserve.kvtransfer.baselines HOST NBYTES`)."""
     dst = np.empty(max(nbytes, 1), dtype=np.uint8)
     dst.fill(1)  # fault every page in before anything is measured
     view = dst.data.cast("B")
     server = socket.create_server((host, 0), backlog=len(VARIANTS))
-    port_q.put(server.getsockname()[1])
+    if port_q is None:
+        print(server.getsockname()[1], flush=True)
+    else:
+        port_q.put(server.getsockname()[1])
 
     def serve(conn: socket.socket) -> None:
         with conn:
@@ -91,10 +99,13 @@ def receiver_main(port_q: mp.Queue[int], host: str, nbytes: int) -> None:
 
 
 class RawTcp:
-    """The raw TCP bound: `copy_ms(data)` per variant, `best_gb_s(...)` over the variants."""
+    """The raw TCP bound: `copy_ms(data)` per variant. The receiver is a process started here
+    on this host, or `receiver` (listening at host:port; stopped by `close`)."""
 
-    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, nbytes: int, host: str = "127.0.0.1", port: int = 0,
+                 receiver: subprocess.Popen[bytes] | None = None):
         self.proc: mp.process.BaseProcess | None = None
+        self.receiver = receiver
         if not port:
             ctx = mp.get_context("spawn")
             port_q: mp.Queue[int] = ctx.Queue()
@@ -132,43 +143,78 @@ class RawTcp:
         if self.proc is not None:
             self.proc.terminate()
             self.proc.join(timeout=10)
+        if self.receiver is not None:
+            self.receiver.terminate()
+            self.receiver.wait(timeout=10)
+
+
+def _copy_whole(dst: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dst, src)
+
+
+def _copy_slices(dst: np.ndarray, src: np.ndarray, step: int = 8 << 20) -> None:
+    for at in range(0, src.size, step):  # as the same-host copy does it
+        np.copyto(dst[at:at + step], src[at:at + step])
+
+
+_LIBC = ctypes.CDLL(None)
+
+
+def _copy_libc(dst: np.ndarray, src: np.ndarray) -> None:
+    _LIBC.memcpy(ctypes.c_void_p(dst.ctypes.data), ctypes.c_void_p(src.ctypes.data),
+                 ctypes.c_size_t(src.nbytes))
+
+
+COPIES = {"numpy": _copy_whole, "numpy/8M": _copy_slices, "libc": _copy_libc}
 
 
 @dataclass
 class BoundSamples:
-    """Per-repetition times (ms) of the raw TCP variants and of the memory copy."""
+    """Per-repetition times (ms) of the raw TCP variants and of the memory copy variants
+    (numpy whole, numpy in the same-host copy's 8 MiB slices, libc memcpy)."""
 
     raw_ms: dict[str, list[float]]
-    memcpy_ms: list[float]
+    memcpy_ms: dict[str, list[float]]
+    warmup: int = 1  # samples per variant dropped as warm-up
 
     @classmethod
-    def empty(cls) -> BoundSamples:
-        return cls({v.name: [] for v in VARIANTS}, [])
+    def empty(cls, warmup: int = 1) -> BoundSamples:
+        return cls({v.name: [] for v in VARIANTS}, {name: [] for name in COPIES}, warmup)
 
     def measure(self, raw: RawTcp | None, src: np.ndarray, dst: np.ndarray) -> None:
         """One repetition of every bound on `src` (copied into `dst` for the memory copy)."""
         if raw is not None:
             for v in VARIANTS:
                 self.raw_ms[v.name].append(raw.copy_ms(v, src))
-        started = time.perf_counter()
-        np.copyto(dst, src)
-        self.memcpy_ms.append((time.perf_counter() - started) * 1e3)
+        for name, copy in COPIES.items():
+            started = time.perf_counter()
+            copy(dst, src)
+            self.memcpy_ms[name].append((time.perf_counter() - started) * 1e3)
 
-    def raw_tcp(self, nbytes: int, skip: int = 1) -> tuple[float, str, float]:
+    def raw_tcp(self, nbytes: int) -> tuple[float, str, float]:
         """(GB/s of the best variant's median, its name, GB/s of the fastest repetition of
         any variant); zeros when not measured."""
-        best, fastest = (0.0, ""), 0.0
-        for name, samples in self.raw_ms.items():
-            if len(samples) > skip:
-                best = max(best, (gb_s(nbytes, statistics.median(samples[skip:])), name))
-                fastest = max(fastest, gb_s(nbytes, min(samples[skip:])))
-        return best[0], best[1], fastest
+        return _best(self.raw_ms, nbytes, self.warmup)
 
-    def memcpy(self, nbytes: int, skip: int = 1) -> tuple[float, float]:
-        """(GB/s of the median, GB/s of the fastest repetition)."""
-        kept = self.memcpy_ms[skip:]
-        return gb_s(nbytes, statistics.median(kept)), gb_s(nbytes, min(kept))
+    def memcpy(self, nbytes: int) -> tuple[float, float]:
+        """(GB/s of the best variant's median, GB/s of the fastest repetition of any)."""
+        median, _, fastest = _best(self.memcpy_ms, nbytes, self.warmup)
+        return median, fastest
+
+
+def _best(samples_by_variant: dict[str, list[float]], nbytes: int, skip: int
+          ) -> tuple[float, str, float]:
+    best, fastest = (0.0, ""), 0.0
+    for name, samples in samples_by_variant.items():
+        if len(samples) > skip:
+            best = max(best, (gb_s(nbytes, statistics.median(samples[skip:])), name))
+            fastest = max(fastest, gb_s(nbytes, min(samples[skip:])))
+    return best[0], best[1], fastest
 
 
 def gb_s(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6 if ms > 0 else 0.0
+
+
+if __name__ == "__main__":  # a raw TCP receiver on another host (network namespace)
+    receiver_main(None, sys.argv[1], int(sys.argv[2]))

@@ -118,5 +118,5 @@ class GrantedSink:
 
     def finish(self, write: IncomingWrite, ok: bool) -> None:
         self._sink.finish(write, ok)
-        if ok:
+        if ok and getattr(write.handle, "complete", True):  # every page landed (not a part)
             self._grants.drop(write.header.ticket)

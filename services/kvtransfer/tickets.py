@@ -2,15 +2,18 @@
 
 A ticket (request id + decode allocator epoch) moves through
 
-    EXPECTED --begin_write--> WRITING --finish ok--> COMPLETE
-        |  lease passes           | finish failed -> EXPECTED (a retry may land)
+    EXPECTED --begin_write--> WRITING --finish ok, every reserved page landed--> COMPLETE
+        |  lease passes           | finish ok, pages still to come -> EXPECTED
+        |                         | finish failed -> EXPECTED (a retry may land)
         v                         v cancel: abort the write, wait until it stopped
      EXPIRED                  CANCELLED
 
-A write is accepted only in EXPECTED, with the lease not passed, for exactly the reserved
-pages. Cancel (and expiry) close the ticket for good; cancel returns only once no write for it
-is in flight. Closed tickets are remembered for `retention_s` so a late write is refused with
-the precise reason, then forgotten (unknown ticket).
+A write is accepted only in EXPECTED, with the lease not passed, for reserved pages that have
+not landed yet: all of them at once, or a part (a pipelined handoff ships the pages of each
+prefill chunk as it completes), one write at a time. The ticket is COMPLETE once every
+reserved page has landed. Cancel (and expiry) close the ticket for good; cancel returns only
+once no write for it is in flight. Closed tickets are remembered for `retention_s` so a late
+write is refused with the precise reason, then forgotten (unknown ticket).
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ class Expectation:
     forget_at: float = float("inf")
     writing: bool = False  # a write is in flight (its transport holds views of the pages)
     abort: threading.Event = field(default_factory=threading.Event)
+    landed: set[int] = field(default_factory=set)  # pages whose write completed
+    writing_pages: frozenset[int] = frozenset()  # the pages of the write in flight
+
+    @property
+    def complete(self) -> bool:
+        return self.state is State.COMPLETE
 
 
 @dataclass(frozen=True)
@@ -84,10 +93,17 @@ class TicketBook:
                 self._expire_locked(old, self._clock())
             if old is not None and old.state is not State.EXPECTED:
                 self._raise_state(old)
-            self._tickets[key] = Expectation(key, pool_id, tuple(page_ids), self._clock() + lease_s)
+            exp = Expectation(key, pool_id, tuple(page_ids), self._clock() + lease_s)
+            if old is not None and old.landed:  # a renewal keeps what has landed already
+                if (old.pool_id, sorted(old.page_ids)) != (pool_id, sorted(page_ids)):
+                    raise BadRequest(f"ticket {key}: part of its handoff has landed; it can "
+                                     "be renewed for the same pages only")
+                exp.landed, exp.kv_bytes = old.landed, old.kv_bytes
+            self._tickets[key] = exp
 
     def begin_write(self, key: TicketKey, pool_id: str, page_ids: Sequence[int]) -> Expectation:
-        """Accept a write of `page_ids` into `pool_id` for `key`: EXPECTED -> WRITING."""
+        """Accept a write of `page_ids` (all the reserved pages, or some that have not landed
+        yet) into `pool_id` for `key`: EXPECTED -> WRITING."""
         with self._cond:
             exp = self._live(key)
             if exp.state is not State.EXPECTED:
@@ -95,11 +111,16 @@ class TicketBook:
             if pool_id != exp.pool_id:
                 raise BadRequest(f"ticket {key} reserved pages in pool {exp.pool_id}, "
                                  f"not {pool_id}")
-            if sorted(page_ids) != sorted(exp.page_ids):
+            pages = frozenset(page_ids)
+            if not pages or not pages <= frozenset(exp.page_ids):
                 raise BadRequest(f"ticket {key}: pages {_short(sorted(page_ids))} are not the "
                                  f"pages reserved for it {_short(sorted(exp.page_ids))}")
+            if pages & exp.landed:
+                raise TicketBusy(f"ticket {key}: pages {_short(sorted(pages & exp.landed))} "
+                                 "have already landed")
             exp.state = State.WRITING
             exp.writing = True
+            exp.writing_pages = pages
             exp.abort = threading.Event()
             return exp
 
@@ -112,13 +133,15 @@ class TicketBook:
                 raise TicketCancelled(f"ticket {exp.key} was cancelled during its write")
             if exp.state is not State.WRITING:
                 return
+            exp.state = State.EXPECTED  # failed: pages may hold part of it; a retry overwrites
             if ok:
-                exp.state = State.COMPLETE
-                exp.kv_bytes = kv_bytes
-                exp.completed_unix_ms = time.time() * 1e3
-                exp.forget_at = self._clock() + self._retention_s
-            else:
-                exp.state = State.EXPECTED  # pages may hold part of it; a retry overwrites
+                exp.landed |= exp.writing_pages
+                exp.kv_bytes += kv_bytes
+                if len(exp.landed) == len(exp.page_ids):
+                    exp.state = State.COMPLETE
+                    exp.completed_unix_ms = time.time() * 1e3
+                    exp.forget_at = self._clock() + self._retention_s
+            exp.writing_pages = frozenset()
 
     def cancel(self, key: TicketKey, wait_s: float) -> tuple[bool, bool]:
         """Close the ticket for good; return (was_pending, was_complete) once no write for it

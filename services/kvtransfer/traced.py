@@ -63,9 +63,11 @@ class SendSpan:
         self.span = span
 
     def report(self, r: TransferReport) -> None:
+        # handoff_ms: this agent's part; the request's kv_transfer_ms (on prefill.request and
+        # router.generate) is measured by the prefill worker around its call, parts included.
         self.span.set_attributes({"kv_bytes": r.kv_bytes, "kv_pages": r.kv_pages,
                                   "kv_transport": r.transport, "num_runs": r.num_runs,
-                                  "handoff_ms": r.handoff_ms, "kv_transfer_ms": r.handoff_ms})
+                                  "handoff_ms": r.handoff_ms})
 
 
 @contextlib.contextmanager

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pdserve.common.layout import LayoutFingerprint
@@ -35,6 +37,18 @@ REPLY_BYTES = 1024  # a reply always fits in this many bytes (the message is cut
 MAX_RUNS = 1 << 17
 MAX_BODY_BYTES = 1 << 16
 MAX_HEADER_BYTES = PREFIX_BYTES + MAX_BODY_BYTES + 8 * MAX_RUNS  # about 1.1 MiB
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint_json(fp: LayoutFingerprint) -> dict[str, Any]:
+    """A pool's layout as JSON fields (a few layouts per agent: made once each). Read-only."""
+    return dataclasses.asdict(fp)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(**fields: Any) -> LayoutFingerprint:
+    """The layout a header names (validated once per distinct layout)."""
+    return LayoutFingerprint(**fields)
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,7 @@ class WriteHeader:
     reply_to: bytes = b""  # transport-specific return address (the sender's UCX worker address)
     traceparent: str = ""  # the sender's trace context (W3C), "" when not traced
     grant: bytes = b""  # the receiver's write grant for the ticket (mutual TLS; see grants)
+    sender: str = ""  # the sending agent's id (per-peer byte counters), "" when not given
 
     @property
     def kv_bytes(self) -> int:
@@ -62,11 +77,12 @@ class WriteHeader:
         body = json.dumps({
             "xfer_id": self.xfer_id, "request_id": self.ticket.request_id,
             "ticket_epoch": self.ticket.epoch, "dst_agent_epoch": self.dst_agent_epoch,
-            "dst_pool_id": self.dst_pool_id, "fingerprint": dataclasses.asdict(self.fingerprint),
+            "dst_pool_id": self.dst_pool_id, "fingerprint": _fingerprint_json(self.fingerprint),
             "page_bytes": self.page_bytes, "timeout_ms": self.timeout_ms,
             "reply_to": base64.b64encode(self.reply_to).decode(),
             **({"traceparent": self.traceparent} if self.traceparent else {}),
             **({"grant": base64.b64encode(self.grant).decode()} if self.grant else {}),
+            **({"sender": self.sender} if self.sender else {}),
         }).encode()
         runs = np.asarray(self.dst_runs, dtype="<i4").reshape(-1)
         return _PREFIX.pack(MAGIC, VERSION, len(body), len(self.dst_runs)) + body + runs.tobytes()
@@ -97,13 +113,14 @@ class WriteHeader:
                 xfer_id=int(body["xfer_id"]),
                 ticket=TicketKey(str(body["request_id"]), int(body["ticket_epoch"])),
                 dst_agent_epoch=int(body["dst_agent_epoch"]), dst_pool_id=str(body["dst_pool_id"]),
-                fingerprint=LayoutFingerprint(**body["fingerprint"]),
+                fingerprint=_fingerprint(**body["fingerprint"]),
                 page_bytes=int(body["page_bytes"]),
                 dst_runs=tuple((int(a), int(b)) for a, b in runs.reshape(-1, 2)),
                 timeout_ms=float(body["timeout_ms"]),
                 reply_to=base64.b64decode(body["reply_to"]),
                 traceparent=str(body.get("traceparent", "")),  # checked where it is used
-                grant=base64.b64decode(body.get("grant", "")))
+                grant=base64.b64decode(body.get("grant", "")),
+                sender=str(body.get("sender", "")))
         except BadRequest:
             raise
         except (struct.error, ValueError, KeyError, TypeError) as exc:

@@ -22,6 +22,9 @@ class PrefillConfig(WorkerConfig):
     port: int = option(50061, "gRPC port")
     metrics_port: int = option(9061, METRICS_PORT_HELP)
     transfer_timeout_s: float = option(30.0, "longest a KV handoff may take before it fails (s)")
+    pipeline_handoff: bool = option(True, "ship the pages each prompt chunk completes while the "
+                                          "next chunk computes (off: all pages after the last "
+                                          "chunk)")
     prefill_wait_s: float = option(300.0, "longest a prompt may wait and run before its "
                                           "Prefill call fails (s)")
 
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     def make(cfg: PrefillConfig, loop: EngineLoop, worker_id: str) -> PrefillWorker:
         return PrefillWorker(loop, connect_agent(cfg), worker_id=worker_id,
                              transfer_timeout_s=cfg.transfer_timeout_s,
-                             prefill_wait_s=cfg.prefill_wait_s)
+                             prefill_wait_s=cfg.prefill_wait_s,
+                             pipeline_handoff=cfg.pipeline_handoff)
 
     def servicers(worker: PrefillWorker) -> Callable[[grpc.Server], None]:
         return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(

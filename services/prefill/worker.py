@@ -1,15 +1,21 @@
 """The prefill worker: prompt -> KV pages + first token, then the pages shipped to decode.
 
 Latency first: prompts are batched only as far as the engine's per-step token budget, long
-ones are chunked. After the first token is sampled the pages stay held until the host's
-agent has shipped them to the decode side's reserved pages; then they are freed. A request
-cancelled while queued is dropped; one cancelled while running or shipping frees its pages.
+ones are chunked. The pages each chunk completes ship to the decode side's reserved pages
+while the next chunk computes (shipment.py; `--no-pipeline-handoff` ships everything after
+the last chunk); after the first token is sampled the rest ships, and the pages stay held
+until every page is resident there; then they are freed. The report's `handoff_ms` is what
+the handoff added after the KV was ready (measured here, so the call to the agent counts),
+`total_ms` the whole transfer. A request cancelled while queued is dropped; one cancelled
+while running or shipping frees its pages and stops its shipment.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.common import failpoints
 from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
@@ -17,7 +23,9 @@ from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
-from pdserve.worker.agent_client import AgentClient, Send
+from pdserve.engine.sequence import StepOutput
+from pdserve.prefill.shipment import Shipment
+from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
 
@@ -26,7 +34,8 @@ class PrefillWorker:
     role = "prefill"
 
     def __init__(self, loop: EngineLoop, agent: AgentClient, *, worker_id: str,
-                 transfer_timeout_s: float = 30.0, prefill_wait_s: float = 300.0):
+                 transfer_timeout_s: float = 30.0, prefill_wait_s: float = 300.0,
+                 pipeline_handoff: bool = True):
         self.loop = loop
         self.engine = loop.engine
         self.agent = agent
@@ -34,10 +43,12 @@ class PrefillWorker:
         self.model_id = self.engine.pool.fingerprint.model_id
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_wait_s = prefill_wait_s
+        self.pipeline_handoff = pipeline_handoff
         self.pool_id = ""
         self.admitting = True
-        self._sends: dict[str, Send] = {}
+        self._shipments: dict[str, Shipment] = {}
         self._lock = threading.Lock()
+        self._parts = ThreadPoolExecutor(8, thread_name_prefix="kv-parts")
         self.metrics = WorkerMetrics(self.role, self.stats)
 
     def register(self) -> None:
@@ -59,50 +70,68 @@ class PrefillWorker:
         rid = request.request_id
         received = time.perf_counter()
         failpoints.hit("prefill.queued", rid)
+        shipment = self._shipment(rid, request.ticket, request.destination, cancelled)
         try:
             _, outputs = self.loop.start_sequence(
                 rid, lambda e: e.add_request(rid, request.token_ids, request.params))
         except ValueError as exc:  # bad prompt, or this request id is already being prefilled
+            self._forget(rid)
             raise InvalidArgument(str(exc)) from None
+        if cancelled.is_set():  # cancelled while it was being queued: drop it now
+            self.loop.abort(rid, "cancelled by the caller")
         try:
             out = first_output(outputs, rid, self.prefill_wait_s,
-                               lambda: self.loop.abort(rid, "timed out"))
+                               lambda: self.loop.abort(rid, "timed out"),
+                               self._progress(shipment))
             queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
             report = TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
                 failpoints.hit("prefill.handoff", rid)
-                report = self._ship(rid, request.ticket, out.page_ids or [],
-                                    request.destination, cancelled)
+                report = self._finish(rid, shipment, out)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
                                  report)
         finally:
+            shipment.cancel()  # no-op once finished; stops parts of a failed or ended request
+            self._forget(rid)
             self.loop.unsubscribe(rid)
             self.loop.submit(lambda e: e.release_prefilled(rid))
 
-    def _ship(self, request_id: str, ticket: TicketKey, page_ids: list[int],
-              destination: Destination, cancelled: threading.Event) -> TransferReport:
+    def _shipment(self, rid: str, ticket: TicketKey, destination: Destination,
+                  cancelled: threading.Event) -> Shipment:
+        shipment = Shipment(self.agent, ticket, self.pool_id, destination,
+                            self.transfer_timeout_s, self._parts)
         with self._lock:
             if cancelled.is_set():
-                raise Aborted(f"{request_id} was cancelled")
-            fut = self.agent.send(ticket, self.pool_id, page_ids, destination,
-                                  self.transfer_timeout_s)
-            self._sends[request_id] = fut
+                raise Aborted(f"{rid} was cancelled")
+            self._shipments[rid] = shipment
+        return shipment
+
+    def _progress(self, shipment: Shipment) -> Callable[[StepOutput], None] | None:
+        if not self.pipeline_handoff:
+            return None
+
+        def ship(out: StepOutput) -> None:
+            shipment.ship(out.page_ids or [])
+        return ship
+
+    def _finish(self, rid: str, shipment: Shipment, out: StepOutput) -> TransferReport:
         try:
-            return fut.result()
+            return shipment.finish(out.page_ids or [], out.done_at or time.perf_counter())
         except Aborted:
-            raise Aborted(f"{request_id} was cancelled during its KV handoff") from None
+            raise Aborted(f"{rid} was cancelled during its KV handoff") from None
         except ServiceError as exc:
-            raise ServiceError(f"{request_id}: {exc.message}", exc.code) from None
-        finally:
-            with self._lock:
-                self._sends.pop(request_id, None)
+            raise ServiceError(f"{rid}: {exc.message}", exc.code) from None
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._shipments.pop(rid, None)
 
     def cancel(self, request_id: str) -> None:
-        """The caller went away: drop queued work, free running work's pages, stop a send."""
+        """The caller went away: drop queued work, free running work's pages, stop shipping."""
         with self._lock:
-            fut = self._sends.get(request_id)
-        if fut is not None:
-            fut.cancel()
+            shipment = self._shipments.get(request_id)
+        if shipment is not None:
+            shipment.cancel()
         self.loop.abort(request_id, "cancelled by the caller")
 
     def stats(self) -> WorkerStats:
@@ -113,4 +142,5 @@ class PrefillWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        self._parts.shutdown(wait=False, cancel_futures=True)
         self.agent.close()

@@ -53,7 +53,7 @@ class Timing:
     request_id: str
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
-    kv_transfer_ms: float = 0.0
+    kv_transfer_ms: float = 0.0  # the handoff's part after prefill (what TTFT pays)
     decode_start_ms: float = 0.0
     ttft_ms: float = 0.0
     kv_bytes: int = 0
@@ -62,6 +62,7 @@ class Timing:
     prefill_worker: str = ""
     decode_worker: str = ""
     attempts: int = 1
+    kv_transfer_total_ms: float = 0.0  # the whole transfer (pipelined: mostly during prefill)
 
 
 @dataclass(frozen=True)

@@ -271,10 +271,11 @@ class Lifecycle:
         timing.ttft_ms = clock.ttft_ms
         record.ttft_ms, record.queue_ms = timing.ttft_ms, timing.queue_ms
         record.prefill_ms, record.kv_transfer_ms = timing.prefill_ms, timing.kv_transfer_ms
+        record.kv_transfer_total_ms = timing.kv_transfer_total_ms
         record.kv_bytes = timing.kv_bytes
         self.metrics.first_token(timing.queue_ms, timing.prefill_ms, timing.kv_transfer_ms,
                                  timing.ttft_ms, timing.kv_bytes, timing.kv_transport,
-                                 timing.attempts, record.api)
+                                 timing.attempts, record.api, timing.kv_transfer_total_ms)
         return timing
 
 
@@ -284,4 +285,7 @@ def _timing(rid: str, started: Started, received: float) -> Timing:
                   prefill_ms=reply.prefill_ms, kv_transfer_ms=reply.transfer.handoff_ms,
                   kv_bytes=reply.transfer.kv_bytes, kv_pages=reply.transfer.kv_pages,
                   kv_transport=reply.transfer.transport, prefill_worker=started.prefill_worker,
-                  decode_worker=started.reservation.worker, attempts=started.attempts)
+                  decode_worker=started.reservation.worker, attempts=started.attempts,
+                  # 0 from a prefill worker that predates the field: it did not pipeline
+                  kv_transfer_total_ms=reply.transfer.kv_transfer_total_ms
+                  or reply.transfer.handoff_ms)

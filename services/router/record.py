@@ -24,6 +24,7 @@ class RequestRecord:
     queue_ms: float | None = None  # None until the first token was sent
     prefill_ms: float | None = None
     kv_transfer_ms: float | None = None
+    kv_transfer_total_ms: float | None = None
     decode_start_ms: float | None = None
     ttft_ms: float | None = None
     kv_bytes: int = 0

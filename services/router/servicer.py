@@ -37,7 +37,8 @@ def event_to_pb(event: StreamEvent) -> router_pb2.GenerateResponse:
             kv_transfer_ms=event.kv_transfer_ms, decode_start_ms=event.decode_start_ms,
             ttft_ms=event.ttft_ms, kv_bytes=event.kv_bytes, kv_pages=event.kv_pages,
             kv_transport=event.kv_transport, prefill_worker=event.prefill_worker,
-            decode_worker=event.decode_worker, attempts=event.attempts))
+            decode_worker=event.decode_worker, attempts=event.attempts,
+            kv_transfer_total_ms=event.kv_transfer_total_ms))
     assert isinstance(event, Finish)
     return router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
         finish_reason=event.finish_reason, prompt_tokens=event.prompt_tokens,

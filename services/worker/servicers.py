@@ -96,7 +96,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  result.prefill_ms, prompt_tokens=len(domain.token_ids))
             t = result.transfer
             span.set_attributes({"queue_ms": result.queue_ms, "prefill_ms": result.prefill_ms,
-                                 "kv_transfer_ms": t.handoff_ms, "kv_bytes": t.kv_bytes,
+                                 "kv_transfer_ms": t.handoff_ms,
+                                 "kv_transfer_total_ms": t.total_ms, "kv_bytes": t.kv_bytes,
                                  "kv_pages": t.kv_pages, "kv_transport": t.transport})
         return prefill_pb2.PrefillResponse(first_token=result.first_token,
                                            queue_ms=result.queue_ms, prefill_ms=result.prefill_ms,

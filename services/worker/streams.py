@@ -4,6 +4,7 @@ and the token stream (decode, co-located). One implementation for every role."""
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Iterator
 
 from pdserve.common.errors import Aborted, DeadlineExceeded, Unavailable
@@ -13,20 +14,27 @@ from pdserve.worker.types import DecodeEvent
 
 
 def first_output(outputs: Outputs, seq_id: str, wait_s: float,
-                 on_timeout: Callable[[], object]) -> StepOutput:
-    """The sequence's first output (its first token), or a domain error: Aborted when it was
-    cancelled, DeadlineExceeded after `wait_s` (after calling `on_timeout`), Unavailable when
-    the engine failed."""
-    try:
-        out = outputs.get(timeout=wait_s)
-    except queue.Empty:
-        on_timeout()
-        raise DeadlineExceeded(f"prefill of {seq_id} did not finish in {wait_s:g}s") from None
-    if isinstance(out, SequenceAborted):
-        raise Aborted(f"prefill of {seq_id} was cancelled")
-    if isinstance(out, BaseException):
-        raise Unavailable(str(out))
-    return out
+                 on_timeout: Callable[[], object],
+                 on_progress: Callable[[StepOutput], object] | None = None) -> StepOutput:
+    """The sequence's first token's output, or a domain error: Aborted when it was
+    cancelled, DeadlineExceeded after `wait_s` in all (after calling `on_timeout`),
+    Unavailable when the engine failed. The prefill role's per-chunk outputs before it (pages
+    complete so far) go to `on_progress`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            out = outputs.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            on_timeout()
+            raise DeadlineExceeded(f"prefill of {seq_id} did not finish in {wait_s:g}s") from None
+        if isinstance(out, SequenceAborted):
+            raise Aborted(f"prefill of {seq_id} was cancelled")
+        if isinstance(out, BaseException):
+            raise Unavailable(str(out))
+        if not out.progress:
+            return out
+        if on_progress is not None:
+            on_progress(out)
 
 
 def token_events(outputs: Outputs, seq_id: str, wait_s: float,

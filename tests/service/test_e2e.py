@@ -59,6 +59,26 @@ def test_greedy_output_equals_transformers_one_by_one(stack, reference):
         _check(prompt, *_greedy(stack, prompt), reference, stack.transport)
 
 
+def test_a_long_prompt_ships_chunk_by_chunk_while_prefill_runs(stack, reference):
+    """Chunks of 32 tokens: the pages each chunk completes ship as their own part while the
+    next chunk computes (the sending agent counts one handoff per part); tokens stay exact."""
+    prompt = PROMPTS[-1]
+    n_prompt = reference[1][prompt][0]
+    chunks = -(-n_prompt // 32)
+    assert chunks >= 4
+
+    def parts() -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in stack.scrape("kvtransfer-a")
+                   .splitlines() if line.startswith("pdserve_kv_handoff_seconds_count"))
+
+    before = parts()
+    result = _greedy(stack, prompt)
+    _check(prompt, *result, reference, stack.transport)
+    assert parts() - before == chunks
+    timing = result[2]
+    assert timing.kv_transfer_total_ms > 0  # the parts' durations, summed
+
+
 def test_sixteen_concurrent_streams_equal_transformers(stack, reference):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
     with ThreadPoolExecutor(16) as pool:

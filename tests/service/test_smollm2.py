@@ -94,7 +94,8 @@ def test_greedy_output_equals_transformers(stack, references):
                         f"{margin:.4f}): {tok.decode(got)!r} vs {tok.decode(expected)!r}")
         assert text == tok.decode(expected, skip_special_tokens=True)
         assert finish.prompt_tokens == len(prompt_ids)
-        assert timing.kv_transport == "ucx" and timing.ttft_ms > 0
+        # one host: the handoff takes the same-host copy (the agents share the machine)
+        assert timing.kv_transport == "shm" and timing.kv_bytes > 0 and timing.ttft_ms > 0
 
 
 def test_it_answers_the_question(stack):

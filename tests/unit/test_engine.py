@@ -144,13 +144,22 @@ def test_prefill_writes_the_models_own_past_key_values(models, prompts):
     try:
         prompt = prompts[-1]  # 150 tokens: several chunks, pages partly filled
         engine.add_request("p", prompt, GREEDY)
-        outs = []
+        outs, early = [], []
         for _ in range(100):
-            outs += engine.step()
+            for out in engine.step():
+                if out.progress:  # a chunk's complete pages: their KV as it is now
+                    early.append((out.page_ids, engine.pool.tensor[out.page_ids].clone()))
+                else:
+                    outs.append(out)
             if outs:
                 break
         pages = outs[0].page_ids
         assert len(pages) == pages_for_tokens(len(prompt), 16)
+        counts = [len(p) for p, _ in early]  # one per chunk but the last, growing
+        assert len(counts) >= 3 and counts == sorted(set(counts)) and counts[-1] < len(pages)
+        for early_pages, kv in early:  # shipping them early would ship the final KV
+            assert early_pages == pages[:len(early_pages)]
+            assert torch.equal(kv, engine.pool.tensor[early_pages])
         with torch.no_grad():
             past = hf(torch.tensor([prompt]), use_cache=True).past_key_values
         kv = engine.pool.tensor[pages]  # [pages, L, 2, block, kvh, hd]
@@ -178,7 +187,7 @@ def test_prefill_and_decode_roles_hand_off_through_pages(models, prompts, refere
             rid = f"r{i}"
             dst = decode.reserve(("ticket", rid), len(prompt))
             prefill.add_request(rid, prompt, GREEDY)
-            (out,) = [o for _ in range(50) for o in prefill.step()][:1]
+            (out,) = [o for _ in range(50) for o in prefill.step() if not o.progress][:1]
             decode.pool.tensor[dst] = prefill.pool.tensor[out.page_ids]
             prefill.release_prefilled(rid)
             outputs[rid] = [out.token]

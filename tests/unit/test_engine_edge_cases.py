@@ -25,7 +25,7 @@ def _engine(model, **kw) -> Engine:
 def _step_until(engine: Engine, done, limit: int = 500) -> list:
     outs = []
     for _ in range(limit):
-        outs += engine.step()
+        outs += [o for o in engine.step() if not o.progress]  # tokens only, not chunks' pages
         if done(outs):
             return outs
     raise AssertionError(f"not done after {limit} steps: {outs}")

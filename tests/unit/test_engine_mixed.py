@@ -72,6 +72,8 @@ def test_prefill_role_packs_waiting_prompts_into_one_step(models):
         for rid, prompt in prompts.items():
             engine.add_request(rid, prompt, GREEDY)
         first = engine.step()  # 5 + 32 + 17 tokens: one forward, no padding
+        assert [(o.seq_id, o.page_ids) for o in first if o.progress] == [("p1", [1, 2])]
+        first = [o for o in first if not o.progress]  # p1's first 2 pages are complete
         assert sorted(o.seq_id for o in first) == ["p0", "p2"]
         second = engine.step()  # p1's last 8 tokens
         assert [o.seq_id for o in second] == ["p1"]

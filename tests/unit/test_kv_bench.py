@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pdserve.kvtransfer.baselines import VARIANTS, BoundSamples, RawTcp
-from pdserve.kvtransfer.bench import MIB, Row, bound_checks, report, targets
+from pdserve.kvtransfer.baselines import COPIES, VARIANTS, BoundSamples, RawTcp
+from pdserve.kvtransfer.benchreport import MIB, Row, bound_checks, report, targets
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +53,18 @@ def test_raw_tcp_baseline_moves_the_bytes() -> None:
         assert all(len(times) == 3 for times in samples.raw_ms.values())
     finally:
         raw.close()
+
+
+def test_every_memcpy_variant_copies_the_bytes() -> None:
+    nbytes = 17 * MIB + 3  # more than two 8 MiB slices, and a ragged end
+    src = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)
+    for name, copy in COPIES.items():
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        copy(dst, src)
+        assert np.array_equal(dst, src), name
+    samples = BoundSamples.empty()
+    for _ in range(2):
+        samples.measure(None, src, np.zeros(nbytes, dtype=np.uint8))
+    median, fastest = samples.memcpy(nbytes)
+    assert 0 < median <= fastest
+    assert samples.raw_tcp(nbytes) == (0.0, "", 0.0)  # not measured: no raw TCP

@@ -1,0 +1,107 @@
+"""Two hosts on one machine for `pdserve bench kv --netns`: network namespaces joined by a veth
+link (root and iproute2's `ip`). Each run's namespaces carry its pid in their names; they are
+removed when the run ends, and a later run removes those of a run that was killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+PREFIX = "pdkv"
+SUBNET = "10.206.{}.{}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """Namespaces a and b, their ends of the veth and their addresses on it."""
+
+    ns_a: str
+    ns_b: str
+    dev_a: str
+    dev_b: str
+    ip_a: str
+    ip_b: str
+
+
+def in_ns(ns: str, *argv: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def unavailable() -> str:
+    """Why namespaces cannot be made here ("" when they can)."""
+    if os.geteuid() != 0:
+        return "--netns needs root (ip netns)"
+    if not shutil.which("ip"):
+        return "--netns needs iproute2's `ip`"
+    return ""
+
+
+def sweep_stale() -> list[str]:
+    """Remove namespaces a killed run of this benchmark left (its pid is gone)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    removed = []
+    for name in re.findall(rf"^({PREFIX}[ab](\d+))\b", out.stdout, re.M):
+        try:
+            os.kill(int(name[1]), 0)
+        except ProcessLookupError:
+            subprocess.run(["ip", "netns", "del", name[0]], capture_output=True, timeout=30)
+            removed.append(name[0])
+        except PermissionError:
+            pass
+    return removed
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[Link]:
+    """Namespaces a and b joined by a veth (IPv6 off on it, so only the benchmark's traffic
+    moves over it); removed on exit, whatever happened."""
+    sweep_stale()
+    pid = os.getpid()
+    net = pid % 250 + 1
+    link = Link(f"{PREFIX}a{pid}", f"{PREFIX}b{pid}", f"kva{pid % 100000}", f"kvb{pid % 100000}",
+                SUBNET.format(net, 1), SUBNET.format(net, 2))
+    made: list[str] = []
+    try:
+        for ns in (link.ns_a, link.ns_b):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", link.dev_a, "netns", link.ns_a, "type", "veth", "peer", "name",
+            link.dev_b, "netns", link.ns_b)
+        for ns, dev, address in ((link.ns_a, link.dev_a, link.ip_a),
+                                 (link.ns_b, link.dev_b, link.ip_b)):
+            subprocess.run(in_ns(ns, "sh", "-c",
+                                 f"echo 1 > /proc/sys/net/ipv6/conf/{dev}/disable_ipv6"),
+                           capture_output=True, timeout=30)
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+        for ns, dev in ((link.ns_a, link.dev_a), (link.ns_b, link.dev_b)):
+            _wait_up(ns, dev)
+        yield link
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _wait_up(ns: str, dev: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/operstate"),
+                             capture_output=True, text=True, timeout=30)
+        if out.stdout.strip() == "up":
+            return
+        time.sleep(0.05)  # bounded poll: a link comes up asynchronously
+    raise RuntimeError(f"{dev} in {ns} did not come up")

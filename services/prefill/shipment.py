@@ -1,0 +1,125 @@
+"""One request's KV shipped to decode, chunk by chunk while prefill still runs.
+
+With chunked prefill the KV of a page is final once every token in it has been through the
+model (a token's K/V depend only on the tokens before it). After each chunk the engine says
+which pages are complete (`ship`); they go to the decode side's reserved pages as one part
+(a SendPages of those pages only) while the next chunk computes. Parts go one at a time, in
+order, on a background thread. When the last chunk has sampled the first token (`finish`) the
+rest, including a last partly filled page, is sent from the calling thread, and `finish`
+returns once every page is resident: what that wait costs after the KV was ready is the
+exposed handoff (`handoff_ms`, the router's kv_transfer_ms). `total_ms` is the whole transfer's
+duration: the time spent moving pages, each part from its send to its pages resident, summed
+(what the handoff would cost if none of it overlapped prefill; the gaps while the next chunk
+computes are not in it). Unpipelined (a prompt of one chunk) it is the one part's send ->
+resident, a little less than `handoff_ms`, which also counts getting from the engine's step
+to the send.
+
+The decode side's agent counts the ticket complete only once every reserved page landed, so a
+decode never starts on a partial handoff. A failed or cancelled part ends the shipment: later
+parts are not sent and `finish` raises its error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Executor, Future
+from dataclasses import replace
+
+from pdserve.common.errors import Aborted
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.tickets import TicketKey
+from pdserve.worker.agent_calls import Send
+from pdserve.worker.agent_client import AgentClient
+
+
+class Shipment:
+    def __init__(self, agent: AgentClient, ticket: TicketKey, pool_id: str,
+                 destination: Destination, timeout_s: float, executor: Executor):
+        self._agent = agent
+        self._ticket = ticket
+        self._pool_id = pool_id
+        self._destination = destination
+        self._timeout_s = timeout_s
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._queued: list[tuple[list[int], int]] = []  # (src pages, offset in the prompt)
+        self._shipped = 0  # pages handed to a part so far
+        self._drain: Future[None] | None = None
+        self._current: Send | None = None
+        self._reports: list[TransferReport] = []
+        self._busy_s = 0.0  # the parts' durations, summed
+        self._last_done = 0.0
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def ship(self, complete_pages: list[int]) -> None:
+        """The pages complete so far (a prefix of the prompt's pages): queue the new ones."""
+        with self._lock:
+            if self._cancelled or self._error is not None \
+                    or len(complete_pages) <= self._shipped:
+                return
+            self._queued.append((complete_pages[self._shipped:], self._shipped))
+            self._shipped = len(complete_pages)
+            if self._drain is None or self._drain.done():
+                self._drain = self._executor.submit(self._send_queued)
+
+    def finish(self, all_pages: list[int], kv_ready: float) -> TransferReport:
+        """Ship the rest and wait until every page is resident; `kv_ready` (perf_counter) is
+        when the last chunk's KV was ready. Raises the first part's error, or Aborted."""
+        with self._lock:
+            drain, rest, offset = self._drain, all_pages[self._shipped:], self._shipped
+            self._shipped = len(all_pages)
+        if drain is not None:
+            drain.result()  # a failure is recorded in self._error, not raised here
+        if rest and self._error is None:
+            self._send(rest, offset)
+        if self._cancelled:
+            raise Aborted("the KV handoff was cancelled")
+        if self._error is not None:
+            raise self._error
+        reports = self._reports
+        return TransferReport(
+            max(0.0, self._last_done - kv_ready) * 1e3, sum(r.kv_bytes for r in reports),
+            sum(r.kv_pages for r in reports), reports[-1].transport if reports else "",
+            sum(r.num_runs for r in reports), self._busy_s * 1e3)
+
+    def cancel(self) -> None:
+        """Give up (any thread): the part in flight is abandoned, no other is sent."""
+        with self._lock:
+            self._cancelled = True
+            current = self._current
+        if current is not None:
+            current.cancel()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _send_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queued or self._cancelled or self._error is not None:
+                    return
+                pages, offset = self._queued.pop(0)
+            self._send(pages, offset)
+
+    def _send(self, pages: list[int], offset: int) -> None:
+        dest = replace(self._destination,
+                       page_ids=self._destination.page_ids[offset:offset + len(pages)])
+        with self._lock:
+            if self._cancelled:
+                return
+            send = self._current = self._agent.send(self._ticket, self._pool_id, pages, dest,
+                                                    self._timeout_s)
+        started = time.perf_counter()
+        try:
+            report = send.result()
+        except BaseException as exc:
+            with self._lock:
+                self._error = self._error or exc
+            return
+        finally:
+            with self._lock:
+                self._current = None
+        with self._lock:
+            self._last_done = time.perf_counter()
+            self._busy_s += self._last_done - started
+            self._reports.append(report)
