@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -30,6 +29,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from pdserve.loadgen.handoff import stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -86,13 +87,7 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
         wait_http(f"http://127.0.0.1:{port}/health", proc, ready_s, log)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
 
 
 def bench(url: str, model_dir: Path, scenario: dict[str, str], out: Path,

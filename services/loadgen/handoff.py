@@ -110,13 +110,19 @@ def stack(path: str, model: str, chunk_size: int, log_dir: str) -> Iterator[str]
                                    f"{out.read()[-3000:]}") from None
         yield router
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """SIGTERM a process started with `start_new_session=True` and everything it started;
+    SIGKILL what is left after `timeout_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def one_request(stub: router_pb2_grpc.RouterStub, token_ids: list[int]) -> Sample:
