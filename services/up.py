@@ -262,17 +262,28 @@ class Stack:
         return [p for p in self.procs if p.popen and p.popen.poll() is not None]
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM in reverse start order (router first, agents last), then SIGKILL leftovers."""
-        for p in reversed(self.procs):
-            if p.popen and p.popen.poll() is None:
-                _signal_group(p.popen, signal.SIGTERM)
+        """SIGTERM tier by tier: the router, then every worker at once, then the agents (so
+        handoffs in flight can finish), each tier within `timeout_s`; SIGKILL leftovers."""
+        for tier in (0, 1, 2):
+            procs = [p for p in self.procs if p.popen and _stop_tier(p.name) == tier]
+            for p in procs:
+                if p.popen and p.popen.poll() is None:
+                    _signal_group(p.popen, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                assert p.popen is not None
                 try:
-                    p.popen.wait(timeout_s)
+                    p.popen.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-            if p.popen:
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+
+
+def _stop_tier(name: str) -> int:
+    """When a process stops: the router (0), the workers (1), the kvtransfer agents (2)."""
+    role = name.partition("-")[0]
+    return 0 if role == "router" else 2 if role == "kvtransfer" else 1
 
 
 def _child_setup(cpus: list[int] | None) -> Callable[[], None]:

@@ -7,7 +7,8 @@
 #
 # Environment: PDSERVE_BASE_IMAGE (default localhost/debian:bookworm, made by base.sh when
 # missing), PDSERVE_WHEELS (folder holding the torch wheel; default /opt/wheels),
-# PDSERVE_TORCH_SPEC (default torch==2.13.0+cpu), PDSERVE_EXTRA_PACKAGES.
+# PDSERVE_TORCH_SPEC (default torch==2.13.0+cpu), PDSERVE_EXTRA_PACKAGES, PDSERVE_MODELS (the
+# built-in models made in the image; default "tiny smollm2").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tag=${1:-localhost/pdserve:dev}
@@ -24,6 +25,7 @@ podman build "${limits[@]}" -f deploy/Containerfile -t "$tag" \
     --build-arg TORCH_INDEX_URL= \
     --build-arg TORCH_FIND_LINKS=/wheels \
     --build-arg EXTRA_PACKAGES="${PDSERVE_EXTRA_PACKAGES:-}" \
+    --build-arg MODELS="${PDSERVE_MODELS:-tiny smollm2}" \
     --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     -v /etc/ssl/certs:/etc/ssl/certs:ro \
     -v "$wheels":/wheels:ro \

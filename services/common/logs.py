@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from pdserve.common import requestids
+
 _FIELDS = "pdserve_fields"
 _EVENT = "pdserve_event"
 
@@ -76,6 +78,8 @@ def setup_logging(log_format: str = "text", level: str = "INFO", *, service: str
 def outcome(logger: logging.Logger, message: str, *, level: int = logging.INFO,
             **fields: Any) -> None:
     """Log one request outcome as a single line: in text `message key=value ...`, in JSON
-    `{"msg": message, "key": value, ...}`."""
+    `{"msg": message, "key": value, ...}`. An attempt id in `request_id` is logged as the
+    client's id plus `attempt_id`."""
+    fields = requestids.labelled(fields)
     text = " ".join([message, *(f"{k}={_text(v)}" for k, v in fields.items())])
     logger.log(level, "%s", text, extra={_FIELDS: fields, _EVENT: message})

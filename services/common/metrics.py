@@ -26,6 +26,7 @@ log = logging.getLogger("pdserve.metrics")
 
 PREFIX = "pdserve_"
 DISABLED = -1  # metrics_port value that turns the endpoint off
+UNKNOWN_PEER = "unknown"  # a sender that did not name itself (an older agent)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
@@ -152,15 +153,18 @@ class WorkerMetrics:
 
 
 class AgentMetrics:
-    """A kvtransfer agent: bytes moved per transport and direction, handoff time and
-    throughput (sender side), failures by cause."""
+    """A kvtransfer agent: bytes moved per transport, direction and peer agent (its
+    --agent-id: the destination's when sending, the sender's when receiving; this agent's own
+    for a copy on one host), handoff time and throughput (sender side), failures by cause."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved by this "
-                                      "agent", ("transport", "direction"), registry=r)
+                                      "agent, by the agent at the other end (peer)",
+                                      ("transport", "direction", "peer"), registry=r)
         self.transfer_pages = Counter("pdserve_kv_transfer_pages", "KV pages moved by this "
-                                      "agent", ("transport", "direction"), registry=r)
+                                      "agent, by the agent at the other end (peer)",
+                                      ("transport", "direction", "peer"), registry=r)
         self.handoff = Histogram("pdserve_kv_handoff_seconds", "SendPages: request -> every "
                                  "page resident at the destination", ("transport",),
                                  buckets=FAST_BUCKETS, registry=r)
@@ -170,16 +174,18 @@ class AgentMetrics:
         self.failures = Counter("pdserve_kv_transfer_failures", "handoffs that failed, by cause "
                                 "and direction", ("cause", "direction"), registry=r)
 
-    def sent(self, transport: str, kv_bytes: int, kv_pages: int, handoff_s: float) -> None:
-        self.transfer_bytes.labels(transport, "send").inc(kv_bytes)
-        self.transfer_pages.labels(transport, "send").inc(kv_pages)
+    def sent(self, transport: str, kv_bytes: int, kv_pages: int, handoff_s: float,
+             peer: str = UNKNOWN_PEER) -> None:
+        self.transfer_bytes.labels(transport, "send", peer or UNKNOWN_PEER).inc(kv_bytes)
+        self.transfer_pages.labels(transport, "send", peer or UNKNOWN_PEER).inc(kv_pages)
         self.handoff.labels(transport).observe(handoff_s)
         if handoff_s > 0:
             self.throughput.labels(transport).observe(kv_bytes / handoff_s / 1e9)
 
-    def received(self, transport: str, kv_bytes: int, kv_pages: int) -> None:
-        self.transfer_bytes.labels(transport, "receive").inc(kv_bytes)
-        self.transfer_pages.labels(transport, "receive").inc(kv_pages)
+    def received(self, transport: str, kv_bytes: int, kv_pages: int,
+                 peer: str = UNKNOWN_PEER) -> None:
+        self.transfer_bytes.labels(transport, "receive", peer or UNKNOWN_PEER).inc(kv_bytes)
+        self.transfer_pages.labels(transport, "receive", peer or UNKNOWN_PEER).inc(kv_pages)
 
     def failed(self, cause: str, direction: str) -> None:
         self.failures.labels(cause, direction).inc()

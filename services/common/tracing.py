@@ -45,6 +45,7 @@ from opentelemetry.trace import Span as Span  # re-exported: callers annotate wi
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.status import Status, StatusCode
+from pdserve.common import requestids
 
 log = logging.getLogger("pdserve.tracing")
 
@@ -163,6 +164,7 @@ def start_span(name: str, *, kind: SpanKind = INTERNAL, parent: Span | None = No
         return trace.INVALID_SPAN
     if parent is not None:
         context = trace.set_span_in_context(parent)
+    attributes = requestids.labelled(attributes)  # the client's id, and the attempt's
     return _tracer.start_span(name, context=context, kind=kind, attributes=attributes,
                               start_time=start_time_ns)
 

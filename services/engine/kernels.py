@@ -6,6 +6,10 @@ keyed by the source, the compiler and the CPU's flags, and loaded with ctypes. I
 OpenMP loop on torch's own OpenMP runtime (same `libgomp.so.1`, already loaded by torch),
 so kernel and GEMMs share one thread pool. With no C compiler the engine falls back to
 gathering pages and calling torch's SDPA (slower, same results), and says so once.
+
+Images without a compiler (deploy/Containerfile) carry portable builds made ahead of time by
+`python -m pdserve.engine.kernels prebuild DIR`: one per x86-64 ISA level, named by the
+source's hash and the level; with no compiler the best level this CPU supports is loaded.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ log = logging.getLogger("pdserve.engine.kernels")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
+# Portable builds, best first: the ISA level (a -march value) and the CPU flags it needs.
+PORTABLE_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    ("x86-64-v3", frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})),
+)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -43,21 +52,48 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lmvec", "-lm"], check=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lmvec", "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users (an image's) must load it
         os.replace(tmp, target)  # atomic: a concurrent build by another process is harmless
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _portable_name(level: str) -> str:
+    return f"paged_attention-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}-{level}.so"
+
+
+def _prebuilt(directory: Path) -> Path | None:
+    """The best portable build in `directory` that this CPU can run, if any."""
+    have = set(_cpu_flags().split())
+    for level, needs in PORTABLE_LEVELS:
+        path = directory / _portable_name(level)
+        if needs <= have and path.is_file():
+            return path
+    return None
+
+
+def prebuild(directory: Path, compiler: str = "cc") -> list[Path]:
+    """Portable builds of the kernel, one per ISA level, for machines with no compiler."""
+    built = []
+    for level, _ in PORTABLE_LEVELS:
+        flags = tuple(f"-march={level}" if f == "-march=native" else f for f in FLAGS)
+        target = directory / _portable_name(level)
+        _build(compiler, target, flags)
+        built.append(target)
+    return built
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel library, built on first use; None when it cannot be built."""
+    """The kernel library: built for this CPU on first use, or else a portable build made
+    ahead of time; None when neither can be had."""
     global _lib, _tried
     if _tried:
         return _lib
@@ -65,14 +101,20 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("PDSERVE_NO_NATIVE_ATTENTION"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        log.warning("no C compiler found: paged attention falls back to gather + SDPA")
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"paged_attention-{key}.so"
+    kernels = cache_dir() / "kernels"
+    if compiler:
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
+                             + _cpu_flags().encode()).hexdigest()[:16]
+        target = kernels / f"paged_attention-{key}.so"
+    else:
+        found = _prebuilt(kernels)
+        if found is None:
+            log.warning("no C compiler and no prebuilt kernel for this CPU: paged attention "
+                        "falls back to gather + SDPA")
+            return None
+        target = found
     try:
-        if not target.is_file():
+        if compiler and not target.is_file():
             _build(compiler, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -82,6 +124,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.paged_attention_f32.argtypes = _ARGTYPES
     lib.paged_attention_f32.restype = ctypes.c_int
+    log.info("paged attention kernel: %s", target.name)
     _lib = lib
     return lib
 
@@ -107,3 +150,24 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
             q.shape[2], window, scale, max_context, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.engine.kernels prebuild DIR`: portable builds for images."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.kernels")
+    commands = parser.add_subparsers(dest="command", required=True)
+    cmd = commands.add_parser("prebuild", help="portable builds of the attention kernel, one per "
+                                               "x86-64 ISA level, into DIR (DIR/kernels under a "
+                                               "PDSERVE_CACHE_DIR is where workers look)")
+    cmd.add_argument("directory", type=Path)
+    args = parser.parse_args(argv)
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    for path in prebuild(args.directory, compiler):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -69,7 +69,7 @@ class AgentSink:
             raise
         if ok:
             agent.metrics.received(self.transport, kv_bytes,
-                                   sum(n for _, n in write.header.dst_runs))
+                                   sum(n for _, n in write.header.dst_runs), write.header.sender)
         else:
             agent.metrics.failed("incomplete", "receive")
 

@@ -52,16 +52,17 @@ class Sender:
                    dest: Destination, timeout_ms: float) -> TransferReport:
         """Copy the pages to the destination; returns once they are resident there."""
         try:
-            report = self._send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
+            report, peer = self._send_pages(key, src_pool_id, src_page_ids, dest, timeout_ms)
         except Exception as exc:
             self._agent.metrics.failed(cause(exc), "send")
             raise
         self._agent.metrics.sent(report.transport, report.kv_bytes, report.kv_pages,
-                                 report.handoff_ms / 1e3)
+                                 report.handoff_ms / 1e3, peer)
         return report
 
     def _send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],
-                    dest: Destination, timeout_ms: float) -> TransferReport:
+                    dest: Destination, timeout_ms: float) -> tuple[TransferReport, str]:
+        """The report, and the destination agent's id."""
         started = time.perf_counter()
         failpoints.hit("kv.send", key.request_id)
         if timeout_ms < 0:
@@ -83,12 +84,13 @@ class Sender:
             xfer_id=random.getrandbits(36), ticket=key, dst_agent_epoch=dest.agent_epoch,
             dst_pool_id=dest.pool_id, fingerprint=pool.fingerprint, page_bytes=pool.page_bytes,
             dst_runs=tuple((r.dst_start, r.num_pages) for r in runs), timeout_ms=timeout_s * 1e3,
-            traceparent=tracing.traceparent())
+            traceparent=tracing.traceparent(), sender=self._agent.agent_id)
         if dest.agent_epoch == self._agent.epoch:
             self._copy_local(header, pool, runs)
-            transport = "local"
+            transport, peer = "local", self._agent.agent_id
         else:
-            transport = self._send_remote(dest, header, pool, runs, time.monotonic() + timeout_s)
+            transport, peer = self._send_remote(dest, header, pool, runs,
+                                                time.monotonic() + timeout_s)
         elapsed_ms = (time.perf_counter() - started) * 1e3
         report = TransferReport(elapsed_ms, header.kv_bytes, len(src_page_ids), transport,
                                 len(runs), elapsed_ms)
@@ -96,7 +98,7 @@ class Sender:
             outcome(log, "handoff", level=logging.DEBUG, request_id=key.request_id,
                     handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes,
                     runs=report.num_runs, transport=transport)
-        return report
+        return report, peer
 
     def _copy_local(self, header: WriteHeader, pool: Pool, runs: list[PageRun]) -> None:
         sink = AgentSink(self._agent, "local")
@@ -110,8 +112,9 @@ class Sender:
             sink.finish(write, ok)
 
     def _send_remote(self, dest: Destination, header: WriteHeader, pool: Pool,
-                     runs: list[PageRun], deadline: float) -> str:
-        """Move the runs to another agent; returns the path taken ("shm" or the transport)."""
+                     runs: list[PageRun], deadline: float) -> tuple[str, str]:
+        """Move the runs to another agent; returns the path taken ("shm" or the transport)
+        and that agent's id."""
         a = self._agent
         for attempt in range(2):
             peer = a.peers.lookup(dest.agent_address, dest.agent_epoch)
@@ -122,7 +125,7 @@ class Sender:
                 if a.shm is not None and a.shm.usable(peer) and self._send_same_host(
                         peer, replace(header, reply_to=a.contact.ucx_worker_address), pool,
                         runs, deadline):
-                    return "shm"
+                    return "shm", peer.agent_id
                 if peer.transport != a.transport.name:
                     raise TransportMismatch(
                         f"this agent moves pages over {a.transport.name}, agent "
@@ -132,7 +135,7 @@ class Sender:
                 a.transport.send(peer.contact, header, views,
                                  max(0.001, deadline - time.monotonic()),
                                  liveness=self._liveness(dest))
-                return a.transport.name
+                return a.transport.name, peer.agent_id
             except (PeerUnavailable, StaleEpoch) as exc:
                 a.peers.forget(dest.agent_address)
                 a.transport.forget(peer.contact)

@@ -67,6 +67,7 @@ class WriteHeader:
     reply_to: bytes = b""  # transport-specific return address (the sender's UCX worker address)
     traceparent: str = ""  # the sender's trace context (W3C), "" when not traced
     grant: bytes = b""  # the receiver's write grant for the ticket (mutual TLS; see grants)
+    sender: str = ""  # the sending agent's id (per-peer byte counters), "" when not given
 
     @property
     def kv_bytes(self) -> int:
@@ -81,6 +82,7 @@ class WriteHeader:
             "reply_to": base64.b64encode(self.reply_to).decode(),
             **({"traceparent": self.traceparent} if self.traceparent else {}),
             **({"grant": base64.b64encode(self.grant).decode()} if self.grant else {}),
+            **({"sender": self.sender} if self.sender else {}),
         }).encode()
         runs = np.asarray(self.dst_runs, dtype="<i4").reshape(-1)
         return _PREFIX.pack(MAGIC, VERSION, len(body), len(self.dst_runs)) + body + runs.tobytes()
@@ -117,7 +119,8 @@ class WriteHeader:
                 timeout_ms=float(body["timeout_ms"]),
                 reply_to=base64.b64decode(body["reply_to"]),
                 traceparent=str(body.get("traceparent", "")),  # checked where it is used
-                grant=base64.b64decode(body.get("grant", "")))
+                grant=base64.b64decode(body.get("grant", "")),
+                sender=str(body.get("sender", "")))
         except BadRequest:
             raise
         except (struct.error, ValueError, KeyError, TypeError) as exc:

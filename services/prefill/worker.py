@@ -87,7 +87,7 @@ class PrefillWorker:
             report = TransferReport()
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
                 failpoints.hit("prefill.handoff", rid)
-                report = self._finish(rid, shipment, out)
+                report = self._finish(rid, shipment, out, request.destination)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
                                  report)
         finally:
@@ -114,13 +114,14 @@ class PrefillWorker:
             shipment.ship(out.page_ids or [])
         return ship
 
-    def _finish(self, rid: str, shipment: Shipment, out: StepOutput) -> TransferReport:
+    def _finish(self, rid: str, shipment: Shipment, out: StepOutput,
+                destination: Destination) -> TransferReport:
         try:
             return shipment.finish(out.page_ids or [], out.done_at or time.perf_counter())
         except Aborted:
             raise Aborted(f"{rid} was cancelled during its KV handoff") from None
         except ServiceError as exc:
-            raise ServiceError(f"{rid}: {exc.message}", exc.code) from None
+            raise handoff_failed(rid, destination, exc) from None
 
     def _forget(self, rid: str) -> None:
         with self._lock:
@@ -144,3 +145,17 @@ class PrefillWorker:
         self.admitting = False
         self._parts.shutdown(wait=False, cancel_futures=True)
         self.agent.close()
+
+
+def handoff_failed(rid: str, destination: Destination, exc: ServiceError) -> ServiceError:
+    """The KV handoff to decode failed (not a cancellation: that is `Aborted`, raised only when
+    the caller went away). Whatever the agent answered (NOT_FOUND: the decode pool or ticket
+    is gone, the decode worker died; INVALID_ARGUMENT: its pages went with it; ...), nothing
+    reached the client yet, so the status says "try again" (ABORTED; a timeout or an
+    unreachable agent keep theirs, also retryable): the router retries the whole attempt on
+    another decode worker, or the same one restarted. The message names the decode side and
+    the phase, with the agent's own status and reason."""
+    code = exc.code if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "ABORTED"
+    return ServiceError(f"{rid}: KV handoff to the decode side (agent "
+                        f"{destination.agent_address}, pool {destination.pool_id}) failed: "
+                        f"{exc.code} {exc.message}", code)

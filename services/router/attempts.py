@@ -9,8 +9,9 @@ An attempt that fails in a way another worker may not (UNAVAILABLE, DEADLINE_EXC
 ABORTED anywhere; FAILED_PRECONDITION when decode starts, i.e. the handoff's lease or data did
 not hold) releases its reservation and the next attempt avoids the workers that failed, at
 most `max_retries` more times. Nothing has reached the client yet, so a retry is always safe.
-Each attempt's workers see the request id `<id>#<n>` from the second attempt on, so a late
-Abort of a failed attempt can never hit the retry's reservation.
+Each attempt's workers see their own request id, `<client id>#<n>.<nonce>` (common/requestids.py):
+a late Abort of a failed attempt can never hit the retry's reservation, and a client may reuse
+its id at once or for two requests at the same time.
 
 The reservation's state lives on the decode worker (its lease book); the router holds only a
 `ReservationHandle` to release it, and, from Reserve until the decode stream has started, keeps
@@ -37,6 +38,7 @@ from typing import Any
 import grpc
 from pdserve.common import failpoints, tracing, wire
 from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
+from pdserve.common.requestids import attempt_id, new_nonce
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.placement import rank_decode, rank_prefill
 from pdserve.router.pool import Worker, WorkerPool
@@ -163,12 +165,6 @@ class DecodeStream:
         yield from self.call
 
 
-def attempt_id(request_id: str, attempt: int) -> str:
-    """The request id the workers see: the client's on the first attempt, `<id>#<n>` on the
-    n-th, so a late Abort of a failed attempt can never hit the retry's reservation."""
-    return request_id if attempt == 1 else f"{request_id}#{attempt}"
-
-
 class _Retry(Exception):
     """One attempt failed in a way another attempt may not."""
 
@@ -214,10 +210,11 @@ class AttemptRunner:
         avoid_prefill: set[str] = set()
         avoid_decode: set[str] = set()
         failures: list[str] = []
+        nonce = new_nonce()
         for attempt in range(1, self._max_retries + 2):
             try:
-                return self._attempt(gen, scope, attempt, avoid_prefill, avoid_decode,
-                                     ends_at_first_token)
+                return self._attempt(gen, scope, attempt_id(gen.request_id, attempt, nonce),
+                                     attempt, avoid_prefill, avoid_decode, ends_at_first_token)
             except _Retry as failure:
                 failures.append(str(failure))
                 log.info("request %s attempt %d failed: %s", gen.request_id, attempt, failure)
@@ -232,10 +229,9 @@ class AttemptRunner:
         raise Unavailable(f"request {gen.request_id} failed before its first token after "
                           f"{self._max_retries + 1} attempts: " + "; ".join(failures))
 
-    def _attempt(self, gen: Generation, scope: CallScope, attempt: int,
+    def _attempt(self, gen: Generation, scope: CallScope, worker_request_id: str, attempt: int,
                  avoid_prefill: set[str], avoid_decode: set[str],
                  ends_at_first_token: Callable[[int], bool]) -> Started:
-        worker_request_id = attempt_id(gen.request_id, attempt)
         failpoints.hit("router.queued", worker_request_id)
         reservation = self._reserve(gen, worker_request_id, scope, avoid_decode)
         try:

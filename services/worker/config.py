@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from pdserve.common.config import ServerConfig, option, require
@@ -24,11 +25,15 @@ class WorkerConfig(ServerConfig):
     chunk_size: int = option(512, "prompt tokens per sequence per prefill step")
     max_num_seqs: int = option(256, "sequences in one decode batch")
     max_prefill_tokens: int = option(2048, "prompt tokens of all sequences in one prefill step")
-    kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent")
+    kv_agent: str = option("127.0.0.1:50081", "host:port of this host's kvtransfer agent (a "
+                                              "loopback host is advertised to other hosts' "
+                                              "agents as --advertise-host)")
     kv_agent_socket: str = option("", "the agent's local socket (its --local-socket: a path, "
                                       "or @NAME); default: the one the agent advertises")
-    worker_id: str = option("", "name in stats, traces and logs (default: role@host:port)")
-    advertise_host: str = option("127.0.0.1", "host name peers use to reach this worker")
+    worker_id: str = option("", "name in stats, traces and logs (default: "
+                                "role@advertise-host:port)")
+    advertise_host: str = option("127.0.0.1", "address other hosts reach this worker and its "
+                                              "agent at (the pod IP in Kubernetes)")
     threads: int = option(0, "torch threads (0: this process's CPU allowance, i.e. its cores "
                              "capped by its cgroup CPU quota, as a pod's limits set them)")
     warmup: bool = option(True, "run one throwaway request before reporting SERVING")
@@ -42,6 +47,37 @@ class WorkerConfig(ServerConfig):
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", self.max_prefill_tokens, "> 0")
         require(self.threads >= 0, "threads", self.threads, ">= 0 (0 = the CPU allowance)")
-        require(":" in self.kv_agent, "kv_agent", self.kv_agent, "host:port")
+        require(":" in self.kv_agent and not _unspecified(self.kv_agent.rpartition(":")[0]),
+                "kv_agent", self.kv_agent, "host:port of the agent")
+        require(bool(self.advertise_host) and not _unspecified(self.advertise_host),
+                "advertise_host", self.advertise_host, "an address peers can connect to")
         require(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                 "cpu, cuda or cuda:N")
+
+    @property
+    def kv_agent_for_peers(self) -> str:
+        """The agent's address as other hosts reach it (decode workers hand it out in every
+        reservation): --kv-agent, its host replaced by --advertise-host when it is a loopback
+        address (the agent beside the worker, as a sidecar shares a pod's network)."""
+        host, _, port = self.kv_agent.rpartition(":")
+        if _loopback(host) and not _loopback(self.advertise_host):
+            host = self.advertise_host
+        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else \
+            f"{host}:{port}"
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
+def _loopback(host: str) -> bool:
+    ip = _ip(host)
+    return host == "localhost" or (ip is not None and ip.is_loopback)
+
+
+def _unspecified(host: str) -> bool:
+    ip = _ip(host)
+    return ip is not None and ip.is_unspecified

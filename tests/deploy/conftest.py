@@ -40,7 +40,9 @@ class ImageBuild:
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 ["nice", "-n", "10", "bash", str(ROOT / "deploy" / "podman" / "build.sh"), tag],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                # The smoke test serves tiny: the image's SmolLM2 (default) is left out here.
+                env={**os.environ, "PDSERVE_MODELS": "tiny"})
         self.seconds = 0.0
 
     def wait(self, timeout_s: float) -> None:

@@ -44,7 +44,9 @@ def fault_stack(tiny_model_dir, tmp_path_factory):
     pause_dir = tmp_path_factory.mktemp("pauses")
     fs = FaultStack(tiny_model_dir, transport="tcp", num_pages=96,
                     router_args=("--lease-ms", str(LEASE_S * 1e3)),
-                    prefill_args=("--transfer-timeout-s", "5"))
+                    # longer than a decode worker's restart: the kill matrix's handoff parked
+                    # at the receiving agent must outlive it to be retried on the new worker
+                    prefill_args=("--transfer-timeout-s", "20"))
     fs.pause_dir = pause_dir  # type: ignore[attr-defined]
     fs.rules = node_rules(fs, pause_dir)  # type: ignore[attr-defined]
     try:
@@ -67,8 +69,7 @@ _CANARY_IDS = itertools.count()
 
 class Canary:
     """Greedy requests one after another until stopped; every output must be the reference.
-    Request ids are never reused: a decode worker's agent refuses a ticket it closed less than
-    a minute ago (its retention), so a client that reuses an id that soon gets UNAVAILABLE."""
+    Each has its own request id, so a failure names the one request that failed."""
 
     def __init__(self, fs: FaultStack, reference, prompt: str = PROMPTS[2]):
         self._fs = fs

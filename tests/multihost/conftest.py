@@ -1,44 +1,44 @@
-"""Hosts for multi-host tests: network namespaces on this machine joined by veth links.
-Only addresses inside the namespaces made here are used; they are removed afterwards, also
-when a test fails."""
+"""Fixtures and stacks for multi-host tests (hosts themselves: tests/multihost/network.py).
+
+Two layouts: `hosts` (A and B joined by a control link and a data link, with
+`two_host_stack`) and `bridged_hosts` (any number of hosts on one bridge, names resolved
+through per-namespace hosts files as a cluster's DNS would, with `pool_stack`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from pdserve.common.shm import SHM_DIR, leftover_segments
 
+from tests.multihost.network import (
+    NETNS_ETC,
+    Host,
+    Network,
+    bridged_hosts,
+    cannot_run,
+    in_ns,
+    ip,
+    require_root,
+    rx_bytes,
+    scrape,
+    wait_operstate_up,
+)
 from tests.support import ServiceProcess
+
+__all__ = ["NETNS_ETC", "Host", "Network", "bridged_hosts", "cannot_run", "in_ns", "ip",
+           "require_root", "rx_bytes", "scrape", "wait_operstate_up", "hosts", "two_host_stack",
+           "logs_of", "PoolStack", "pool_stack"]
 
 SUBNET = "10.203.{}.{}"  # control link
 DATA_SUBNET = "10.204.{}.{}"  # data link: KV bytes only
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def cannot_run(why: str) -> None:
-    """Skip with the reason; in CI (CI=true) fail instead, so these tests never silently do
-    not run there."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"{why}, and CI must run them")
-    pytest.skip(why)
-
-
-def require_root() -> None:
-    """Skip (with the reason) where namespaces cannot be made; in CI fail instead."""
-    why = ("multi-host tests need root for `ip netns`" if os.geteuid() != 0 else
-           "multi-host tests need iproute2's `ip`" if not shutil.which("ip") else "")
-    if why:
-        cannot_run(why)
 
 
 @pytest.fixture
@@ -77,27 +77,6 @@ def hosts():
     finally:
         for ns in created:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-def wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/operstate"),
-                             capture_output=True, text=True, timeout=30)
-        if out.stdout.strip() == "up":
-            return True
-        time.sleep(0.05)  # bounded poll of the interface state
-    return False
-
-
-def in_ns(ns: str, *argv: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, *argv]
-
-
-def rx_bytes(ns: str, dev: str) -> int:
-    out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/statistics/rx_bytes"),
-                         capture_output=True, text=True, check=True, timeout=30)
-    return int(out.stdout)
 
 
 @contextlib.contextmanager
@@ -139,3 +118,71 @@ def two_host_stack(hosts: dict[str, tuple[str, str, str, str, str]], transport: 
 
 def logs_of(running: list[ServiceProcess]) -> str:
     return "\n".join(f"--- {' '.join(p.proc.args[3:6])}\n{p.output()[-1500:]}" for p in running)
+
+
+@dataclass
+class PoolStack:
+    """A router discovering prefill and decode pools by DNS name, each worker host with its
+    own agent (see `pool_stack`)."""
+
+    network: Network
+    router: Host
+    prefill: list[Host]
+    decode: list[Host]
+    transport: str
+    processes: dict[str, ServiceProcess] = field(default_factory=dict)  # "role@host" -> process
+
+    def address(self, host: Host, port: int) -> str:
+        return f"{host.ip}:{port}"
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}\n{p.output()[-1500:]}" for name, p in self.processes.items())
+
+
+ROUTER_PORT, PREFILL_PORT, DECODE_PORT, AGENT_PORT = 50051, 50061, 50071, 50081
+ROUTER_METRICS, AGENT_METRICS = 9051, 9081
+
+
+@contextlib.contextmanager
+def pool_stack(network: Network, transport: str, model_dir: Path, *, router: str,
+               prefill: Sequence[str], decode: Sequence[str],
+               worker_flags: Sequence[str] = ()) -> Iterator[PoolStack]:
+    """On each prefill and decode host a kvtransfer agent (`--agent-id kv-HOST`, advertising
+    the host's address) and a worker that reaches it at 127.0.0.1 (as a pod's sidecar) and
+    advertises the host's address; on `router` a router given `dns:///prefill-pool:50061` and
+    `dns:///decode-pool:50071`, whose records list the worker hosts. Every process is stopped
+    (and its log removed) on exit."""
+    py = [sys.executable, "-m"]
+    stack = PoolStack(network, network[router], [network[h] for h in prefill],
+                      [network[h] for h in decode], transport)
+    network.set_records({**network.records, "prefill-pool": list(prefill),
+                         "decode-pool": list(decode)})
+    argv: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for role, hosts in (("prefill", stack.prefill), ("decode", stack.decode)):
+        for host in hosts:
+            # UCX over TCP on the bridge only: never shared memory between these "hosts".
+            ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": host.dev}
+            argv[f"kvtransfer@{host.name}"] = (host.argv(
+                *py, "pdserve.kvtransfer.main", "--port", str(AGENT_PORT), "--advertise-host",
+                host.ip, "--transport", transport, "--agent-id", f"kv-{host.name}"), ucx)
+            argv[f"{role}@{host.name}"] = (host.argv(
+                *py, f"pdserve.{role}.main", "--kv-agent", f"127.0.0.1:{AGENT_PORT}",
+                "--advertise-host", host.ip, "--kv-cache-mb", "16", "--threads", "1",
+                *worker_flags), {})
+    argv[f"router@{router}"] = (stack.router.argv(
+        *py, "pdserve.router.main", "--model", str(model_dir),
+        "--prefill", f"dns:///prefill-pool:{PREFILL_PORT}",
+        "--decode", f"dns:///decode-pool:{DECODE_PORT}",
+        "--discovery-interval-s", "0.5", "--health-interval-s", "0.5"), {})
+    try:
+        for name, (args, env) in argv.items():
+            stack.processes[name] = ServiceProcess(args, env)
+        yield stack
+    finally:
+        for p in reversed(stack.processes.values()):
+            p.stop()
+            Path(p.log.name).unlink(missing_ok=True)
+            # A killed worker could not unlink its pool segment: as the kubelet wipes a dead
+            # pod's emptyDir, the harness that killed it removes it.
+            for name in leftover_segments(p.proc.pid):
+                (SHM_DIR / name).unlink(missing_ok=True)

@@ -23,6 +23,10 @@ from tests.multihost.conftest import in_ns, logs_of, rx_bytes, two_host_stack
 
 pytestmark = pytest.mark.multihost
 
+# One long prompt among the short ones, so the KV (~1 MiB) dwarfs the control traffic the stack
+# makes meanwhile (health checks, stats, lease renewals): that grows with the test's duration.
+LONG_PROMPT = [(i * 7919) % 1000 + 5 for i in range(2048)]
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny: layers x (K, V) x KV heads x head dim x fp32
 
 
 DRIVER = textwrap.dedent("""
@@ -35,7 +39,9 @@ DRIVER = textwrap.dedent("""
     with grpc.insecure_channel(router) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         for p in prompts:
-            request = router_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=0.0)
+            request = (router_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens, temperature=0.0)
+                       if isinstance(p, str) else
+                       router_pb2.GenerateRequest(token_ids=p, max_tokens=2, temperature=0.0))
             msgs = [MessageToDict(m, preserving_proto_field_name=True)
                     for m in stub.Generate(request, timeout=120)]
             print(json.dumps(msgs), flush=True)
@@ -50,15 +56,19 @@ def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, referen
         before = rx_bytes(ns_b, data_b), rx_bytes(ns_b, ctl_b)
         prompts = PROMPTS[:4]
         done = subprocess.run(in_ns(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
-                                  json.dumps(prompts), str(MAX_TOKENS)),
+                                  json.dumps([*prompts, LONG_PROMPT]), str(MAX_TOKENS)),
                               capture_output=True, text=True, timeout=300)
         logs = logs_of(running)
         assert done.returncode == 0, done.stderr + logs
         data_rx = rx_bytes(ns_b, data_b) - before[0]
         control_rx = rx_bytes(ns_b, ctl_b) - before[1]
         tok, refs = reference
-        kv_bytes = 0
-        for prompt, line in zip(prompts, done.stdout.splitlines()):
+        lines = done.stdout.splitlines()
+        long_timing = next(m["timing"] for m in json.loads(lines[-1]) if "timing" in m)
+        assert long_timing["kv_transport"] == transport
+        kv_bytes = int(long_timing["kv_bytes"])
+        assert kv_bytes >= len(LONG_PROMPT) * KV_BYTES_PER_TOKEN
+        for prompt, line in zip(prompts, lines):
             msgs = json.loads(line)
             ids = [int(t) for m in msgs if "delta" in m for t in m["delta"].get("token_ids", [])]
             timing = next(m["timing"] for m in msgs if "timing" in m)
@@ -66,7 +76,6 @@ def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, referen
             assert timing["kv_transport"] == transport
             assert timing["decode_worker"].startswith(f"decode@{ip_b}")
             kv_bytes += int(timing["kv_bytes"])
-        assert kv_bytes > 0
         # Only the agents use the data link: it carried the KV (plus TCP/IP and per-handoff
         # header overhead), and the control link carried a small fraction of that.
         assert data_rx >= kv_bytes, f"only {data_rx} of {kv_bytes} KV bytes crossed the data link"

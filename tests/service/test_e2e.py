@@ -8,6 +8,7 @@ token against transformers.
 
 from __future__ import annotations
 
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -85,6 +86,26 @@ def test_sixteen_concurrent_streams_equal_transformers(stack, reference):
         results = list(pool.map(lambda p: _greedy(stack, p), prompts))
     for prompt, result in zip(prompts, results):
         _check(prompt, *result, reference, stack.transport)
+    assert stack.decode_stats().free_pages == stack.decode_stats().num_pages
+
+
+def test_a_client_request_id_can_be_reused_at_once_and_concurrently(stack, reference):
+    """The client's request id labels its request (responses, logs, traces); the workers and
+    agents see one id per attempt, so reusing an id right after its request ended (within the
+    agents' 60 s memory of closed tickets), or for two requests at once, is fine: each gets
+    its own exact output under the id it sent."""
+    rid = "reused-" + secrets.token_hex(4)
+
+    def greedy(prompt: str) -> tuple[list[router_pb2.GenerateResponse], str]:
+        return stack.generate(request_id=rid, prompt=prompt, max_tokens=MAX_TOKENS,
+                              temperature=0.0), prompt
+
+    runs = [greedy(PROMPTS[3]), greedy(PROMPTS[3])]  # back to back
+    with ThreadPoolExecutor(2) as pool:  # at once, different prompts
+        runs += list(pool.map(greedy, [PROMPTS[1], PROMPTS[2]]))
+    for responses, prompt in runs:
+        assert {r.request_id for r in responses} == {rid}
+        _check(prompt, *collect(responses), reference, stack.transport)
     assert stack.decode_stats().free_pages == stack.decode_stats().num_pages
 
 

@@ -95,13 +95,14 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     assert moved("router", "pdserve_itl_seconds_sum") > 0
     assert moved("router", "pdserve_kv_bytes_total", transport="shm") == kv_bytes
     assert moved("router", "pdserve_completion_tokens_total") == N * MAX_TOKENS
-    # agents: host A (prefill) sent the bytes the Timing messages reported, host B received them
+    # agents: host A (prefill) sent the bytes the Timing messages reported to host B's agent,
+    # and host B received them from host A's (peer: the other agent's --agent-id)
     assert moved("kvtransfer-a", "pdserve_kv_transfer_bytes_total", transport="shm",
-                 direction="send") == kv_bytes
+                 direction="send", peer="host-b") == kv_bytes
     assert moved("kvtransfer-b", "pdserve_kv_transfer_bytes_total", transport="shm",
-                 direction="receive") == kv_bytes
+                 direction="receive", peer="host-a") == kv_bytes
     assert moved("kvtransfer-a", "pdserve_kv_transfer_pages_total", transport="shm",
-                 direction="send") == sum(t.kv_pages for t in timings)
+                 direction="send", peer="host-b") == sum(t.kv_pages for t in timings)
     assert moved("kvtransfer-a", "pdserve_kv_handoff_seconds_count", transport="shm") == N
     assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_count", transport="shm") == N
     assert moved("kvtransfer-a", "pdserve_kv_transfer_gb_per_second_sum", transport="shm") > 0

@@ -48,7 +48,8 @@ class GatedDecode(FakeDecode):
             if i == 1 and not self.gate.is_set():
                 with self._lock:
                     self.held += 1
-                self.gate.wait(30)
+                self.gate.wait(120)  # a safety bound only: the test sets the gate, and its
+                # own waits while the gate is clear add up to 60 s
 
 
 @dataclass

