@@ -30,6 +30,14 @@ class PageRun:
 
 def check_page_ids(page_ids: Sequence[int], num_pages: int, what: str) -> None:
     """Raise ValueError naming `what` unless every id is in [0, num_pages) and unique."""
+    if not page_ids:
+        return
+    if _ascending_run(page_ids):  # the common case, checked in C (the loop: ~0.1 ms a handoff)
+        if 0 <= page_ids[0] and page_ids[-1] < num_pages:
+            return
+    elif 0 <= min(page_ids) and max(page_ids) < num_pages and len(set(page_ids)) == len(
+            page_ids):
+        return
     seen: set[int] = set()
     for page in page_ids:
         if not 0 <= page < num_pages:
@@ -46,6 +54,8 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    if src_pages and _ascending_run(src_pages) and _ascending_run(dst_pages):
+        return [PageRun(src_pages[0], dst_pages[0], len(src_pages))]  # the common case, in C
     for pages, side in ((src_pages, "source"), (dst_pages, "destination")):
         if len(set(pages)) != len(pages):
             raise ValueError(f"{side} page ids repeat a page")
@@ -61,6 +71,13 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun
     if length:
         runs.append(PageRun(start_src, start_dst, length))
     return runs
+
+
+def _ascending_run(pages: Sequence[int]) -> bool:
+    """`pages` is first, first + 1, ... (no page twice, by construction)."""
+    first = pages[0]
+    return pages[-1] - first == len(pages) - 1 and list(pages) == list(
+        range(first, first + len(pages)))
 
 
 def expand(spans: Sequence[tuple[int, int]]) -> list[int]:

@@ -57,6 +57,10 @@ class Expectation:
     abort: threading.Event = field(default_factory=threading.Event)
     landed: set[int] = field(default_factory=set)  # pages whose write completed
     writing_pages: frozenset[int] = frozenset()  # the pages of the write in flight
+    reserved: frozenset[int] = field(init=False)  # page_ids as a set, for each write's check
+
+    def __post_init__(self) -> None:
+        self.reserved = frozenset(self.page_ids)
 
     @property
     def complete(self) -> bool:
@@ -112,7 +116,7 @@ class TicketBook:
                 raise BadRequest(f"ticket {key} reserved pages in pool {exp.pool_id}, "
                                  f"not {pool_id}")
             pages = frozenset(page_ids)
-            if not pages or not pages <= frozenset(exp.page_ids):
+            if not pages or not pages <= exp.reserved:
                 raise BadRequest(f"ticket {key}: pages {_short(sorted(page_ids))} are not the "
                                  f"pages reserved for it {_short(sorted(exp.page_ids))}")
             if pages & exp.landed:

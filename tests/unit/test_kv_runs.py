@@ -80,3 +80,18 @@ def test_expand_and_check_page_ids() -> None:
         check_page_ids([10], 10, "page_ids")
     with pytest.raises(ValueError, match="twice"):
         check_page_ids([1, 1], 10, "page_ids")
+
+
+def test_ascending_runs_take_the_fast_path_and_keep_every_check() -> None:
+    """Contiguous ascending pages (the common handoff) skip the per-page loops; a bad id in
+    such a run or next to one is still refused with the same message."""
+    check_page_ids(list(range(3, 10)), 10, "x")
+    with pytest.raises(ValueError, match="page 10 is outside the pool"):
+        check_page_ids(list(range(4, 11)), 10, "x")
+    with pytest.raises(ValueError, match="page -1 is outside the pool"):
+        check_page_ids(list(range(-1, 3)), 10, "x")
+    with pytest.raises(ValueError, match="page 4 appears twice"):
+        check_page_ids([3, 4, 4, 5], 10, "x")
+    assert coalesce(list(range(3, 7)), [9, 10, 11, 13]) == [PageRun(3, 9, 3), PageRun(6, 13, 1)]
+    with pytest.raises(ValueError, match="destination page ids repeat"):
+        coalesce([1, 2, 3], [4, 4, 5])
