@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
     p.add_argument("--workload", default="fixed:128,64")
     p.add_argument("--concurrency", type=int, default=8, help="for measuring capacity")
+    p.add_argument("--kv-cache-mb", type=int, default=256,
+                   help="KV pool per worker: room for the load's bursts (SmolLM2: 0.7 MB per "
+                        "16-token page), or requests are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--interval-s", type=float, default=10.0)
     p.add_argument("--rss-tolerance-mb", type=float, default=32.0)
     p.add_argument("--json", type=Path, help="write every sample and the verdict here")
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                            "--prefill-port", str(base + 10), "--decode-port", str(base + 20),
                            "--agent-port", str(base + 30), "--colocated-port", str(base + 35),
                            "--http-port", "-1", "--metrics-port", "-1",
-                           "--log-dir", str(work / "logs"), "--kv-cache-mb", "64"],
+                           "--log-dir", str(work / "logs"),
+                           "--kv-cache-mb", str(args.kv_cache_mb)],
                           stdout=log, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
     print(f"pdserve up: router 127.0.0.1:{base}, logs in {work}", flush=True)
