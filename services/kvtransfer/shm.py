@@ -228,7 +228,9 @@ class ShmReceiver:
                 os.close(fds[0])
                 raise BadRequest("malformed same-host write: src_num_pages") from None
             try:  # map_fd owns the descriptor (closes it when it cannot map it)
-                segment = map_fd(fds[0], num_pages, page_bytes, writable=False)
+                # populated: no page faults in the copies (the sender's agent holds the pool
+                # populated already, so this takes no memory the pool does not hold)
+                segment = map_fd(fds[0], num_pages, page_bytes, writable=False, populate=True)
             except KvTransferError as exc:
                 raise SegmentUnavailable(f"the sender's pool cannot be mapped here: "
                                          f"{exc.message}") from None
