@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, cast
 
@@ -112,6 +113,7 @@ class PagedCausalLM(nn.Module):
         self.attention = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                         self.scaling, window)
         self._fuse_projections()
+        self._pack_linears(self.embed_tokens.weight.device)
 
     def fingerprint(self, block_size: int) -> LayoutFingerprint:
         return LayoutFingerprint(self.model_id, self.revision, self.dtype_name, self.num_layers,
@@ -139,6 +141,33 @@ class PagedCausalLM(nn.Module):
             self._rebind((mlp.gate_proj, mlp.up_proj), gate_up, None)
             self._gate_up.append(gate_up)
 
+    def _pack_linears(self, device: torch.device) -> None:
+        """Every GEMM of the step as a `Linear` (oneDNN with prepacked weights on CPU)."""
+        layers: list[Any] = list(self.layers)  # transformers' decoder layers (untyped)
+        self._qkv_mm = [Linear(w, b, device) for w, b in self._qkv]
+        self._gate_up_mm = [Linear(w, None, device) for w in self._gate_up]
+        self._o_mm = [Linear(layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, device)
+                      for layer in layers]
+        self._down_mm = [Linear(layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, device)
+                         for layer in layers]
+        self._lm_head_mm = Linear(self.lm_head.weight, self.lm_head.bias, device)
+        if self._lm_head_mm.packed is None:
+            return
+        # The step reads only the packed copies: the dense weights go (the embedding stays,
+        # and with it a tied LM head's weight), so the model is held once, not twice.
+        empty = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
+        for layer in layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                         layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                         layer.mlp.up_proj, layer.mlp.down_proj):
+                proj.weight = empty
+        if self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = empty
+        self._qkv, self._gate_up = [], []
+        for mm in (*self._qkv_mm, *self._gate_up_mm, *self._o_mm, *self._down_mm,
+                   self._lm_head_mm):
+            mm.weight = None
+
     @staticmethod
     def _rebind(projs: tuple[nn.Linear, ...], weight: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
@@ -163,8 +192,7 @@ class PagedCausalLM(nn.Module):
         layer: Any  # transformers' decoder layer (untyped)
         for layer_idx, layer in enumerate(self.layers):
             x = _rms_norm(layer.input_layernorm, hidden)
-            weight, bias = self._qkv[layer_idx]
-            qk, v = torch.split(F.linear(x, weight, bias), [(H + KVH) * D, KVH * D], dim=-1)
+            qk, v = torch.split(self._qkv_mm[layer_idx](x), [(H + KVH) * D, KVH * D], dim=-1)
             qk = qk.view(N, H + KVH, D)  # rotary on q and k heads at once
             qk = (qk * cos) + (_rotate_half(qk) * sin)
             q, k = qk[:, :H].contiguous(), qk[:, H:]
@@ -172,13 +200,47 @@ class PagedCausalLM(nn.Module):
             layer_kv[batch.slot_pages, 0, batch.slot_offsets] = k
             layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
             out = self.attention(q, layer_kv, batch, lib)
-            hidden = hidden + layer.self_attn.o_proj(out.view(N, H * D))
+            hidden = hidden + self._o_mm[layer_idx](out.view(N, H * D))
             x = _rms_norm(layer.post_attention_layernorm, hidden)
-            gate, up = F.linear(x, self._gate_up[layer_idx]).chunk(2, dim=-1)
-            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            gate, up = self._gate_up_mm[layer_idx](x).chunk(2, dim=-1)
+            hidden = hidden + self._down_mm[layer_idx](layer.mlp.act_fn(gate) * up)
         last = hidden[batch.last_index]
-        logits: torch.Tensor = self.lm_head(_rms_norm(self.norm, last)).float()
+        logits: torch.Tensor = self._lm_head_mm(_rms_norm(self.norm, last)).float()
         return logits
+
+
+class Linear:
+    """`F.linear(x, weight, bias)` for one weight. On CPU in fp32 / bf16 it runs oneDNN with
+    the weight reordered once into oneDNN's blocked layout (`PDSERVE_ONEDNN_LINEAR=0` turns that
+    off): torch's default CPU GEMM (MKL's sgemm) takes its AVX2 path on non-Intel CPUs, and
+    measured on a 2-core AMD EPYC (AVX-512) the packed oneDNN GEMM was 2.3-3x faster at decode
+    shapes (M=32) and 2x at prefill shapes (M=8192), as vLLM-CPU's own linears are. The packed
+    copy is the one the step uses; results differ from MKL's by float rounding only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device):
+        self.bias = None if bias is None else bias.detach()
+        self.weight: torch.Tensor | None = weight.detach()
+        self.packed: torch.Tensor | None = None
+        if (device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+                and _onednn_linear()):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] -> [N, out]."""
+        if self.packed is not None:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [], "")
+            return out
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+
+def _onednn_linear() -> bool:
+    if os.environ.get("PDSERVE_ONEDNN_LINEAR", "1") == "0":
+        return False
+    return (bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
