@@ -151,7 +151,9 @@ class PagedCausalLM(nn.Module):
         self._down_mm = [Linear(layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, device)
                          for layer in layers]
         self._lm_head_mm = Linear(self.lm_head.weight, self.lm_head.bias, device)
-        if self._lm_head_mm.packed is None:
+        linears = (*self._qkv_mm, *self._gate_up_mm, *self._o_mm, *self._down_mm,
+                   self._lm_head_mm)
+        if any(mm.packed is None for mm in linears):
             return
         # The step reads only the packed copies: the dense weights go (the embedding stays,
         # and with it a tied LM head's weight), so the model is held once, not twice.
@@ -164,8 +166,7 @@ class PagedCausalLM(nn.Module):
         if self.lm_head.weight is not self.embed_tokens.weight:
             self.lm_head.weight = empty
         self._qkv, self._gate_up = [], []
-        for mm in (*self._qkv_mm, *self._gate_up_mm, *self._o_mm, *self._down_mm,
-                   self._lm_head_mm):
+        for mm in linears:
             mm.weight = None
 
     @staticmethod
@@ -223,7 +224,10 @@ class Linear:
         self.packed: torch.Tensor | None = None
         if (device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
                 and _onednn_linear()):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            except RuntimeError:  # e.g. bf16 on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+                self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
