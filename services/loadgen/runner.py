@@ -8,6 +8,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TextIO
@@ -72,18 +73,23 @@ def run(target: Target, plan: Plan, label: str = "bench serve", progress: bool =
     def one(i: int) -> None:
         r = records[i]
         if time.monotonic() >= deadline:
-            r.error = "not sent: --max-duration reached"
-        else:
-            r.sent_at_s = time.perf_counter() - start
-            target.send(r, prompts[i], plan.shapes[i].output_tokens, plan.timeout_s)
+            skip(i)
+            return
+        r.sent_at_s = time.perf_counter() - start
+        target.send(r, prompts[i], plan.shapes[i].output_tokens, plan.timeout_s)
         if shown is not None:
             shown.tick(r.ok)
+
+    def skip(i: int) -> None:
+        records[i].error = "not sent: --max-duration reached"
+        if shown is not None:
+            shown.tick(False)
 
     if plan.arrivals.concurrency is not None:
         _closed_loop(one, len(records), plan.arrivals.concurrency)
     else:
-        _open_loop(one, plan.arrivals.gaps_s(len(records), plan.seed + 1), plan.max_inflight,
-                   deadline)
+        _open_loop(one, skip, plan.arrivals.gaps_s(len(records), plan.seed + 1),
+                   plan.max_inflight, deadline)
     return records, time.perf_counter() - start
 
 
@@ -106,12 +112,19 @@ def _closed_loop(one: object, count: int, concurrency: int) -> None:
         t.join()
 
 
-def _open_loop(one: object, gaps_s: list[float], max_inflight: int, deadline: float) -> None:
+def _open_loop(one: Callable[[int], None], skip: Callable[[int], None], gaps_s: list[float],
+               max_inflight: int, deadline: float) -> None:
+    """Each request at its arrival time; those due after `deadline` are skipped, never sent
+    early (sending them at once made a burst of the arrivals left when the time ran out)."""
     with ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bench") as pool:
         due = time.perf_counter()
         for i, gap in enumerate(gaps_s):
             due += gap
             wait = due - time.perf_counter()
-            if wait > 0 and time.monotonic() + wait < deadline:
+            if time.monotonic() + max(0.0, wait) >= deadline:
+                for rest in range(i, len(gaps_s)):
+                    skip(rest)
+                return
+            if wait > 0:
                 time.sleep(wait)  # pacing the arrival process, not synchronisation
-            pool.submit(one, i)  # type: ignore[arg-type]
+            pool.submit(one, i)

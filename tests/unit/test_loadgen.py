@@ -9,7 +9,9 @@ import statistics
 
 import pytest
 from pdserve.loadgen.arrivals import Arrivals
+from pdserve.loadgen.runner import Plan, run
 from pdserve.loadgen.stats import RequestRecord, Slo, max_rate_at, percentile, summarize
+from pdserve.loadgen.targets import Target
 from pdserve.loadgen.workload import Vocabulary, shapes
 
 pytestmark = pytest.mark.unit
@@ -103,3 +105,25 @@ def test_arrivals():
                           ((None, 1.0, 0.0), "--burstiness=0.0")):
         with pytest.raises(ValueError, match=message):
             Arrivals.parse(*args)
+
+
+class _Instant(Target):
+    """Answers at once: the pacing of the arrivals is what is measured."""
+
+    name = "instant"
+
+    def send(self, record: RequestRecord, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> None:
+        record.ok, record.output_tokens, record.ttft_ms, record.e2e_ms = True, 1, 0.1, 0.1
+
+
+def test_open_loop_arrivals_left_when_the_time_runs_out_are_not_sent_in_a_burst():
+    # 40 req/s for 0.6 s: about 24 arrivals are due; the other 176 must not be sent at once.
+    plan = Plan(shapes("fixed:4,1", 200, seed=0), Vocabulary(50, frozenset()),
+                Arrivals(rate=40.0), warmup=0, max_duration_s=0.6)
+    records, _ = run(_Instant(), plan, progress=False)
+    sent = [r for r in records if r.ok]
+    skipped = [r for r in records if r.error == "not sent: --max-duration reached"]
+    assert len(sent) + len(skipped) == 200
+    assert 5 <= len(sent) <= 60, f"{len(sent)} of 200 sent in 0.6 s at 40 req/s"
+    assert all(r.sent_at_s < 0.6 for r in sent)
