@@ -89,19 +89,21 @@ def two_hosts() -> Iterator[Link]:
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
         for ns, dev in ((link.ns_a, link.dev_a), (link.ns_b, link.dev_b)):
-            _wait_up(ns, dev)
+            if not wait_operstate_up(ns, dev):
+                raise RuntimeError(f"{dev} in {ns} did not come up")
         yield link
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-def _wait_up(ns: str, dev: str, timeout_s: float = 20.0) -> None:
+def wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:
+    """Whether `dev` in `ns` came up within `timeout_s` (a link comes up asynchronously)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/operstate"),
                              capture_output=True, text=True, timeout=30)
         if out.stdout.strip() == "up":
-            return
-        time.sleep(0.05)  # bounded poll: a link comes up asynchronously
-    raise RuntimeError(f"{dev} in {ns} did not come up")
+            return True
+        time.sleep(0.05)  # bounded poll of the interface state
+    return False

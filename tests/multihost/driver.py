@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,15 +35,7 @@ from pdserve.v1 import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def poll(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Bounded poll."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False
+from tests.support import wait_for
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -57,7 +48,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 def ready(args: dict[str, Any]) -> dict[str, Any]:
     for address in (*args["workers"], args["router"]):
         wait_serving(address, 180)
-    counted = poll(lambda: all(metric(args["router_metrics"], "pdserve_workers_healthy",
+    counted = wait_for(lambda: all(metric(args["router_metrics"], "pdserve_workers_healthy",
                                       role=role) == n for role, n in args["healthy"].items()),
                    60, 0.2)
     return {"ready": counted}
@@ -135,13 +126,13 @@ def kill_under_load(args: dict[str, Any]) -> dict[str, Any]:
         t.start()
     out: dict[str, Any] = {}
     try:
-        out["warm"] = poll(lambda: len(results) >= args["before"], 120)
+        out["warm"] = wait_for(lambda: len(results) >= args["before"], 120)
         victim = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(args["victim"]))
 
         def computing() -> bool:  # the victim has a prompt it has not finished
             s = victim.Stats(common_pb2.StatsRequest(), timeout=5)
             return s.queued_prompt_tokens > 0 or s.running_sequences > 0
-        out["victim_busy"] = poll(computing, 60, 0.005)
+        out["victim_busy"] = wait_for(computing, 60, 0.005)
         with lock:
             for record in in_flight:
                 record["streamed_at_kill"] = len(record.get("ids", []))
@@ -151,7 +142,7 @@ def kill_under_load(args: dict[str, Any]) -> dict[str, Any]:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        out["finished_after"] = poll(lambda: len(results) >= done_at_kill + args["after"], 180)
+        out["finished_after"] = wait_for(lambda: len(results) >= done_at_kill + args["after"], 180)
     finally:
         stop.set()
         for t in threads:

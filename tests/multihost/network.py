@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from pdserve.kvtransfer.netns import in_ns, wait_operstate_up
 
 BRIDGE_SUBNET = "10.205.{}.{}"  # bridged hosts
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts NETNS_ETC/NS/* over /etc/*
@@ -41,21 +42,6 @@ def require_root() -> None:
            "multi-host tests need iproute2's `ip`" if not shutil.which("ip") else "")
     if why:
         cannot_run(why)
-
-
-def wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(in_ns(ns, "cat", f"/sys/class/net/{dev}/operstate"),
-                             capture_output=True, text=True, timeout=30)
-        if out.stdout.strip() == "up":
-            return True
-        time.sleep(0.05)  # bounded poll of the interface state
-    return False
-
-
-def in_ns(ns: str, *argv: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, *argv]
 
 
 def rx_bytes(ns: str, dev: str) -> int:
