@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,26 +23,9 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.loadgen.handoff import free_port_block, stop_group
+
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-
-
-def port_block(n: int) -> int:
-    """A base port with n free loopback ports above it."""
-    for _ in range(100):
-        base = random.randint(20000, 40000)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 def bench(grpc: str, http: str, out: Path, *args: str) -> dict[str, dict]:
@@ -66,9 +46,9 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=32, help="concurrency of the CPU run")
     p.add_argument("--rounds", type=int, default=8, help="rounds of the CPU run")
     args = p.parse_args()
-    base, metrics = port_block(40), port_block(45)
+    base, metrics = free_port_block(40), free_port_block(45)
     while abs(metrics - base) < 45:
-        metrics = port_block(45)
+        metrics = free_port_block(45)
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-http-"))
     up = subprocess.Popen(
         [*PDSERVE, "up", "--model", args.model, "--port", str(base), "--prefill-port",
@@ -96,11 +76,7 @@ def main() -> int:
                      "--num-requests", str(args.streams * 16), "--interleave", str(args.rounds),
                      "--warmup", "4")
     finally:
-        os.killpg(up.pid, signal.SIGTERM)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
+        stop_group(up)
     ttft = {api: s["ttft_ms"]["p50"] for api, s in one.items()}
     server = {api: s["components_ms"]["ttft_ms"]["p50"] for api, s in one.items()}
     cpu = {api: s["server_cpu_ms_per_token"] for api, s in many.items()}

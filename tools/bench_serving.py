@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,18 +29,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.loadgen.handoff import stop_group
+from pdserve.loadgen.handoff import free_port_block, stop_group
 from pdserve.loadgen.report import plots
 from pdserve.loadgen.stats import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
@@ -63,7 +56,8 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Pa
 @contextmanager
 def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[str]:
     """Start one system; yields its OpenAI base URL; stops its whole process group."""
-    port = free_port()
+    base = free_port_block(50)
+    port = base  # the OpenAI HTTP port; the rest of the block for pdserve's other ports
     log = Path(args.log_dir) / f"{system}-{port}.log"
     env = dict(os.environ)
     if system == "vllm":
@@ -78,9 +72,9 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
         ready_s = 600.0
     else:
         cmd = [*PDSERVE, "up", "--model", str(model_dir), "--no-demo", "--http-port", str(port),
-               "--port", str(free_port()), "--metrics-port", "-1", "--kv-cache-mb", "512",
-               "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
-               "--agent-port", str(free_port()), "--colocated-port", str(free_port())]
+               "--port", str(base + 1), "--metrics-port", "-1", "--kv-cache-mb", "512",
+               "--prefill-port", str(base + 10), "--decode-port", str(base + 20),
+               "--agent-port", str(base + 30), "--colocated-port", str(base + 40)]
         if system == "pdserve-colocated":
             cmd.append("--colocated")
         ready_s = 180.0

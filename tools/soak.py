@@ -30,10 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.service.stack import _port_block  # noqa: E402  (free ports, as the tests pick them)
+from pdserve.loadgen.handoff import free_port_block
 
 
 def rss_mb(pid: int) -> float:
@@ -97,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write every sample and the verdict here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
-    base = _port_block(40)
+    base = free_port_block(40)
     log = open(work / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(base),
                            "--prefill-port", str(base + 10), "--decode-port", str(base + 20),

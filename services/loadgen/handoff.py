@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import grpc
 from pdserve.common.health import wait_serving
@@ -68,7 +69,8 @@ class Result:
         return statistics.median(getattr(s, name) for s in self.samples) if self.samples else 0.0
 
 
-def _free_base(n: int) -> int:
+def free_port_block(n: int) -> int:
+    """A base port with `n` free loopback ports above it (checked by binding)."""
     for _ in range(100):
         base = random.randint(41000, 59000)
         try:
@@ -89,7 +91,7 @@ def _free_base(n: int) -> int:
 @contextmanager
 def stack(path: str, model: str, chunk_size: int, log_dir: str) -> Iterator[str]:
     """`pdserve up` for one path, on free ports; yields the router's address."""
-    base = _free_base(40)
+    base = free_port_block(40)
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(base),
             "--prefill-port", str(base + 10), "--decode-port", str(base + 20),
             "--agent-port", str(base + 30), "--colocated-port", str(base + 35),
@@ -113,7 +115,7 @@ def stack(path: str, model: str, chunk_size: int, log_dir: str) -> Iterator[str]
         stop_group(proc)
 
 
-def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 60) -> None:
     """SIGTERM a process started with `start_new_session=True` and everything it started;
     SIGKILL what is left after `timeout_s`."""
     if proc.poll() is None:
