@@ -51,6 +51,9 @@ class UpConfig:
                                         "this host, and copy pages straight from the sender's "
                                         "pool (kv_transport shm); off: every handoff takes "
                                         "--transport")
+    same_host_lane: bool = option(True, "with the same-host copy, the prefill worker hands "
+                                        "its pages to the decode side's agent itself (off: "
+                                        "through its own agent, two more process hops)")
     pipeline_handoff: bool = option(True, "prefill ships the pages each prompt chunk completes "
                                           "while the next chunk computes (off: all after the "
                                           "last chunk)")
@@ -216,7 +219,8 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
             procs.append(Proc(f"prefill-{i}", addr, [
                 *py, "pdserve.prefill.main", "--port", addr.rsplit(":", 1)[1], "--kv-agent",
                 agent_a, *worker_common,
-                "--pipeline-handoff" if cfg.pipeline_handoff else "--no-pipeline-handoff"]))
+                "--pipeline-handoff" if cfg.pipeline_handoff else "--no-pipeline-handoff",
+                "--same-host-lane" if cfg.same_host_lane else "--no-same-host-lane"]))
     procs.append(Proc("router", f"127.0.0.1:{cfg.port}", [
         *py, "pdserve.router.main", "--port", str(cfg.port), "--http-port", str(cfg.http_port),
         "--model", str(model_dir),

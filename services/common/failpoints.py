@@ -21,7 +21,7 @@ Points, in the order a request meets them:
 | `router.reserved` | router | reservation held, before the Prefill call |
 | `prefill.queued` | prefill | Prefill received, before the engine takes the prompt |
 | `prefill.handoff` | prefill | first token sampled, before the agent ships the pages |
-| `kv.send` | sending agent | SendPages accepted, before the first byte goes out |
+| `kv.send` | sending agent (or prefill, on its lane) | before the first byte goes out |
 | `kv.receive` | receiving agent | write accepted, before the bytes land (TCP transport) |
 | `decode.start` | decode | Decode received, before the pages are adopted |
 | `decode.token` | decode | before each message after the first (the sequence is live) |

@@ -31,17 +31,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pdserve.common.handoff import Destination, TransferReport
-from pdserve.common.layout import LayoutFingerprint
-from pdserve.common.metrics import AgentMetrics
-from pdserve.common.security import ChannelSecurity
-from pdserve.common.shm import SharedSegment
-from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import (
+from pdserve.common.kv.errors import (
     BadRequest,
     TicketBusy,
     Unauthorized,
     UnknownPool,
 )
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.metrics import AgentMetrics
+from pdserve.common.security import ChannelSecurity
+from pdserve.common.shm import SharedSegment
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.grants import GrantBook, GrantedSink
 from pdserve.kvtransfer.peers import PeerDirectory
 from pdserve.kvtransfer.pool import Pool, map_by_name

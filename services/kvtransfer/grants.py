@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.common.kv.errors import Unauthorized
+from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import Unauthorized
 from pdserve.kvtransfer.transport import IncomingWrite, WriteSink
-from pdserve.kvtransfer.wire import WriteHeader
 
 GRANT_BYTES = 16
 

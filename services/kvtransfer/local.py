@@ -7,7 +7,10 @@ pool exactly as long as that connection lives: when the worker exits, whatever k
 kernel closes the connection, the agent drops the pool and unmaps it, and the memory is gone
 (nothing ever had a name in /dev/shm). The per-handoff calls go here too, one round trip on a
 Unix socket instead of a gRPC call each: `expect`, `cancel`, `status` (decode) and `send`
-(prefill). Peer agents on the same host send `shm_write` here (see shm.py).
+(prefill). Peer agents on the same host send `shm_write` here (see shm.py), and so do prefill
+workers of this host that hand pages to this agent's pools themselves
+(pdserve.worker.samehost): their own agent tells them which destinations qualify (`peer`),
+and they tell it what they sent (`sent`, a note: no reply).
 
 Requests and replies are JSON objects; an error reply is {"error": class name, "code": gRPC
 status name, "message": ...}. Only processes of this agent's user (or root) are served.
@@ -29,16 +32,17 @@ from pdserve.common.handoff import (
     report_to_json,
     ticket_from_json,
 )
-from pdserve.kvtransfer.errors import BadRequest, KvTransferError, status_name
+from pdserve.common.kv.errors import BadRequest, KvTransferError, status_name
+from pdserve.common.kv.spans import send_span
 from pdserve.kvtransfer.pool import map_fd
 from pdserve.kvtransfer.shm import ShmReceiver
-from pdserve.kvtransfer.traced import send_span
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.agent import Agent
 
 log = logging.getLogger("pdserve.kvtransfer.local")
 _FD_OPS = frozenset({"register", "shm_write"})
+_NOTES = frozenset({"sent"})  # answered with nothing: the sender does not wait
 
 
 def default_address(port: int) -> str:
@@ -70,6 +74,7 @@ class LocalServer:
             "hello": self._hello, "register": self._register, "expect": self._expect,
             "cancel": self._cancel, "status": self._status, "send": self._send,
             "shm_write": lambda m, p, f, c: c.shm.write(m, p, f),
+            "peer": self._peer, "sent": self._sent,
         }
 
     def start(self) -> None:
@@ -115,7 +120,9 @@ class LocalServer:
             localsock.check_peer(sock)
             while not self._stopping.is_set():
                 message, payload, fds = localsock.recv(sock)
-                localsock.send(sock, self._dispatch(message, payload, fds, state))
+                reply = self._dispatch(message, payload, fds, state)
+                if message.get("op") not in _NOTES:
+                    localsock.send(sock, reply)
         except PermissionError as exc:
             log.warning("refused a local connection: %s", exc)
         except (OSError, localsock.Closed, ValueError):
@@ -202,6 +209,33 @@ class LocalServer:
                                             float(m.get("timeout_ms", 0)))
             span.report(report)
         return {"report": report_to_json(report)}
+
+
+    def _peer(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+              ) -> dict[str, Any]:
+        """May a worker of this host copy to the agent at `address` (epoch `epoch`) itself?
+        Only when this agent would use the same-host copy there, and writes need no grant
+        (under mutual TLS only agents hold grants: the worker sends through this agent)."""
+        a = self._agent
+        address, epoch = str(m["address"]), int(m["epoch"])
+        if a.shm is None or a.ask_grants or epoch == a.epoch:
+            return {"usable": False}
+        peer = a.peers.lookup(address, epoch)
+        if not a.shm.usable(peer):
+            return {"usable": False}
+        return {"usable": True, "agent_id": peer.agent_id, "local_socket": peer.local_socket,
+                "local_token": peer.local_token.hex(), "sender": a.agent_id}
+
+    def _sent(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+              ) -> dict[str, Any]:
+        """A worker's note of a handoff it made itself: counted as this agent's own."""
+        a = self._agent
+        if m.get("ok"):
+            a.metrics.sent(str(m["transport"]), int(m["kv_bytes"]), int(m["kv_pages"]),
+                           float(m["seconds"]), str(m["peer"]))
+        else:
+            a.metrics.failed(str(m["cause"]), "send")
+        return {}
 
 
 def _ticket(m: dict[str, Any]) -> Any:

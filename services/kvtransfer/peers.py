@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 from pdserve.common import wire
-from pdserve.common.security import ChannelSecurity, open_channel
-from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import (
+from pdserve.common.kv.errors import (
     BadRequest,
     KvTransferError,
     PeerUnavailable,
@@ -24,6 +22,8 @@ from pdserve.kvtransfer.errors import (
     Unauthorized,
     UnknownTicket,
 )
+from pdserve.common.security import ChannelSecurity, open_channel
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.transport import PeerContact
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 

@@ -12,20 +12,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from pdserve.common.kv.errors import BadRequest
 from pdserve.common.layout import DTYPE_BYTES, LayoutFingerprint
 from pdserve.common.shm import SharedSegment
-from pdserve.kvtransfer.errors import BadRequest, LayoutMismatch
-
-
-def expect_same(mine: LayoutFingerprint, theirs: LayoutFingerprint, mine_name: str,
-                theirs_name: str) -> None:
-    """Raise LayoutMismatch naming each differing field as `field: mine != theirs`."""
-    if mine == theirs:  # the common case, once per handoff on each side: no field walk
-        return
-    diffs = mine.mismatches(theirs)
-    if diffs:
-        raise LayoutMismatch(f"layout mismatch between {mine_name} and {theirs_name} pool: "
-                             + "; ".join(diffs))
 
 
 def check_page_bytes(fp: LayoutFingerprint, page_bytes: int) -> None:

@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.common import failpoints
-from pdserve.kvtransfer.errors import BadRequest, StaleEpoch, cause
-from pdserve.kvtransfer.pool import expect_same
-from pdserve.kvtransfer.runs import check_page_ids, expand
+from pdserve.common.kv.errors import BadRequest, StaleEpoch, cause
+from pdserve.common.kv.runs import check_page_ids, expand
+from pdserve.common.kv.wire import WriteHeader, expect_same
 from pdserve.kvtransfer.transport import IncomingWrite
-from pdserve.kvtransfer.wire import WriteHeader
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.agent import Agent

@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pdserve.common import failpoints, tracing
 from pdserve.common.handoff import Destination, TransferReport
-from pdserve.common.logs import outcome
-from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import (
+from pdserve.common.kv.errors import (
     BadRequest,
     PeerUnavailable,
     SegmentUnavailable,
@@ -29,11 +27,13 @@ from pdserve.kvtransfer.errors import (
     TransportMismatch,
     cause,
 )
+from pdserve.common.kv.runs import PageRun, coalesce
+from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
+from pdserve.common.logs import outcome
+from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.peers import PeerInfo
-from pdserve.kvtransfer.pool import Pool, expect_same
+from pdserve.kvtransfer.pool import Pool
 from pdserve.kvtransfer.receive import AgentSink, check_pages
-from pdserve.kvtransfer.runs import PageRun, coalesce
-from pdserve.kvtransfer.wire import MAX_RUNS, WriteHeader
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.agent import Agent

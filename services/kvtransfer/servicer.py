@@ -20,12 +20,12 @@ import grpc
 from pdserve.common import errors as svc
 from pdserve.common import wire
 from pdserve.common.handoff import Destination
+from pdserve.common.kv import errors
+from pdserve.common.kv.spans import send_span
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.security import peer_identity
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer import errors
 from pdserve.kvtransfer.agent import Agent
-from pdserve.kvtransfer.traced import send_span
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 F = TypeVar("F", bound=Callable[..., Any])

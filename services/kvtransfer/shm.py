@@ -29,29 +29,30 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import select
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pdserve.common import localsock
-from pdserve.common.shm import SharedSegment
-from pdserve.kvtransfer.errors import (
+from pdserve.common.kv.errors import (
     BadRequest,
     KvTransferError,
-    PeerUnavailable,
     SegmentUnavailable,
     TransferTimeout,
-    from_wire,
 )
+from pdserve.common.kv.runs import PageRun
+from pdserve.common.kv.samehost import (
+    open_connection,
+    raise_refusal,
+    request_copy,
+    write_message,
+)
+from pdserve.common.kv.wire import WriteHeader
+from pdserve.common.shm import SharedSegment
 from pdserve.kvtransfer.peers import PeerDirectory, PeerInfo
 from pdserve.kvtransfer.pool import Pool, map_fd
-from pdserve.kvtransfer.runs import PageRun
-from pdserve.kvtransfer.transport import LIVENESS_INTERVAL_S, WriteSink
-from pdserve.kvtransfer.wire import WriteHeader
+from pdserve.kvtransfer.transport import WriteSink
 
 log = logging.getLogger("pdserve.kvtransfer.shm")
 
@@ -95,27 +96,16 @@ class ShmSender:
         conn = self._checkout(peer)
         in_step = False
         try:
-            message: dict[str, Any] = {
-                "op": "shm_write", "src_pool": pool.pool_id, "src_num_pages": pool.num_pages,
-                "src_runs": [[r.src_start, r.num_pages] for r in runs]}
             fds: tuple[int, ...] = ()
             if pool.pool_id not in conn.sent_pools:
                 fds = (pool.readonly_fd(),)
-            try:
-                localsock.send(conn.sock, message, header.encode(), fds)
-                conn.sent_pools.add(pool.pool_id)
-                reply = _wait_reply(conn.sock, deadline, liveness)
-            except (OSError, localsock.Closed, ValueError) as exc:
-                raise PeerUnavailable(f"same-host connection to agent {peer.agent_id} broke: "
-                                      f"{exc}", retryable=True) from None
+            reply = request_copy(conn.sock, write_message(pool.pool_id, pool.num_pages, runs),
+                                 header, fds, deadline, liveness, f"agent {peer.agent_id}")
+            conn.sent_pools.add(pool.pool_id)
             in_step = True
         finally:
             self._checkin(conn, in_step)
-        if reply.get("error"):
-            error = from_wire(str(reply["error"]), str(reply.get("message", "")))
-            if reply["error"] == "SegmentUnavailable":
-                raise SegmentUnavailable(error.message)
-            raise error
+        raise_refusal(reply)
 
     def forget(self, address: str) -> None:
         """Close the idle connections to a peer (it restarted, failed, or proved remote)."""
@@ -147,24 +137,8 @@ class ShmSender:
             idle = self._idle.get(peer.address)
             if idle:
                 return idle.pop()
-        try:
-            sock = localsock.connect(peer.local_socket, CONNECT_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
-            raise SegmentUnavailable(f"its local socket {peer.local_socket} cannot be reached "
-                                     f"from here: {exc}") from None
-        try:
-            hello, _ = localsock.call(sock, {"op": "hello"})
-            token = bytes.fromhex(str(hello.get("token", "")))
-            if token != peer.local_token and token != self._peers.refresh(
-                    peer.address).local_token:
-                raise SegmentUnavailable(f"the socket {peer.local_socket} belongs to another "
-                                         f"agent ({hello.get('agent_id', '?')})")
-        except (OSError, localsock.Closed, ValueError) as exc:
-            sock.close()
-            raise SegmentUnavailable(f"no answer on {peer.local_socket}: {exc}") from None
-        except BaseException:
-            sock.close()
-            raise
+        sock = open_connection(peer.local_socket, peer.local_token,
+                               lambda: self._peers.refresh(peer.address).local_token)
         return _Conn(sock, peer.address)
 
     def _checkin(self, conn: _Conn, reusable: bool) -> None:
@@ -193,22 +167,6 @@ def _prefault_in_background(view: np.ndarray) -> None:
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def _wait_reply(sock: Any, deadline: float, liveness: Callable[[], None]) -> dict[str, Any]:
-    """The receiver's reply; the peer's liveness is checked about once a second meanwhile."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferTimeout("timed out waiting for the same-host copy")
-        readable, _, _ = select.select([sock], [], [], min(LIVENESS_INTERVAL_S, remaining))
-        if readable:
-            sock.settimeout(max(1.0, remaining))
-            reply, _, fds = localsock.recv(sock)
-            for fd in fds:
-                os.close(fd)
-            return reply
-        liveness()
 
 
 class ShmReceiver:

@@ -22,16 +22,15 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from pdserve.kvtransfer.errors import KvTransferError, PeerUnavailable, TransferTimeout
+from pdserve.common.kv.errors import KvTransferError, PeerUnavailable, TransferTimeout
+from pdserve.common.kv.wire import LIVENESS_INTERVAL_S, PREFIX_BYTES, Reply, WriteHeader
 from pdserve.kvtransfer.transport import (
-    LIVENESS_INTERVAL_S,
     Liveness,
     PeerContact,
     Transport,
     WriteSink,
     receive_deadline_s,
 )
-from pdserve.kvtransfer.wire import PREFIX_BYTES, Reply, WriteHeader
 
 log = logging.getLogger("pdserve.kvtransfer.tcp")
 

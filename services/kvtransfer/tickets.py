@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import (
+from pdserve.common.kv.errors import (
     BadRequest,
     TicketBusy,
     TicketCancelled,
@@ -33,6 +32,7 @@ from pdserve.kvtransfer.errors import (
     TransferTimeout,
     UnknownTicket,
 )
+from pdserve.common.tickets import TicketKey
 
 
 class State(enum.Enum):

@@ -16,7 +16,7 @@ Rules every implementation keeps:
   the control plane whether the peer restarted or vanished (peer failure is detected there).
 - A receiver that sees `IncomingWrite.abort` set (the ticket was cancelled) stops writing
   before it calls `WriteSink.finish(ok=False)`; after `finish` it never touches the views.
-- Errors are `pdserve.kvtransfer.errors` classes; refusals come back as the receiver's class.
+- Errors are `pdserve.common.kv.errors` classes; refusals come back as the receiver's class.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from pdserve.kvtransfer.wire import WriteHeader
+from pdserve.common.kv.wire import WriteHeader
 
-LIVENESS_INTERVAL_S = 1.0
 Liveness = Callable[[], None]
 
 

@@ -32,13 +32,20 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from pdserve.kvtransfer.errors import (
+from pdserve.common.kv.errors import (
     KvTransferError,
     PeerUnavailable,
     TransferTimeout,
 )
-from pdserve.kvtransfer.transport import (
+from pdserve.common.kv.wire import (
     LIVENESS_INTERVAL_S,
+    MAX_HEADER_BYTES,
+    PREFIX_BYTES,
+    REPLY_BYTES,
+    Reply,
+    WriteHeader,
+)
+from pdserve.kvtransfer.transport import (
     IncomingWrite,
     Liveness,
     PeerContact,
@@ -46,7 +53,6 @@ from pdserve.kvtransfer.transport import (
     WriteSink,
     receive_deadline_s,
 )
-from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, PREFIX_BYTES, REPLY_BYTES, Reply, WriteHeader
 
 log = logging.getLogger("pdserve.kvtransfer.ucx")
 

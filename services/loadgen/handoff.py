@@ -1,12 +1,14 @@
 """`pdserve bench handoff`: the KV handoff as the router reports it, request by request.
 
-Starts one `pdserve up` stack per path (`shm`: the default on one host; `ucx`, `tcp`: the same
-with `--no-same-host-copy`; `nopipe`: shm with `--no-pipeline-handoff`), all at once on free
-ports, and sends them the same requests in turn (interleaved, one at a time), greedy, one
-output token beyond the first: short prompts whose KV is one page, and long prompts prefilled
-in chunks (`--chunk-size`), whose pages ship chunk by chunk while prefill still runs. Reports,
-from each request's Timing: `kv_transfer_ms` (KV ready on prefill -> every page resident on
-decode, through the whole request path: prefill -> its agent -> the other agent -> back) and
+Starts one `pdserve up` stack per path (`shm`: the default on one host, the prefill worker
+handing its pages to the decode side's agent itself; `agent`: the same through the prefill
+host's agent, `--no-same-host-lane`; `ucx`, `tcp`: `--no-same-host-copy`; `nopipe`: shm with
+`--no-pipeline-handoff`), all at once on free ports, and sends them the same requests in turn
+(interleaved, one at a time), greedy, one output token beyond the first: short prompts whose
+KV is one page, and long prompts prefilled in chunks (`--chunk-size`), whose pages ship chunk
+by chunk while prefill still runs. Reports, from each request's Timing: `kv_transfer_ms` (KV
+ready on prefill -> every page resident on decode, through the whole request path and every
+process on it) and
 `kv_transfer_total_ms` (the time spent moving pages, all parts summed), p50 and p90, and the
 targets: a one-page handoff's kv_transfer_ms p50 <= 1 ms on one host; with long prompts, the
 exposed handoff <= 20% of the whole transfer. `--target HOST:PORT` measures a running router
@@ -39,6 +41,7 @@ PATHS = {  # stack -> extra `pdserve up` flags
     "ucx": ("--transport", "ucx", "--no-same-host-copy"),
     "tcp": ("--transport", "tcp", "--no-same-host-copy"),
     "nopipe": ("--no-pipeline-handoff",),
+    "agent": ("--no-same-host-lane",),
 }
 ONE_PAGE_TARGET_MS = 1.0
 EXPOSED_TARGET = 0.2
@@ -142,7 +145,7 @@ def one_request(stub: router_pb2_grpc.RouterStub, token_ids: list[int]) -> Sampl
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve bench handoff", description=__doc__)
     p.add_argument("--model", default="small", help="built-in size or a model directory")
-    p.add_argument("--paths", default="shm,ucx,tcp,nopipe",
+    p.add_argument("--paths", default="shm,agent,ucx,tcp,nopipe",
                    help=f"stacks to start, comma-separated: {', '.join(PATHS)}")
     p.add_argument("--target", default="", help="measure this running router instead")
     p.add_argument("--short-tokens", type=int, default=8, help="the one-page prompt")

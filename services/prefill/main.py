@@ -25,6 +25,9 @@ class PrefillConfig(WorkerConfig):
     pipeline_handoff: bool = option(True, "ship the pages each prompt chunk completes while the "
                                           "next chunk computes (off: all pages after the last "
                                           "chunk)")
+    same_host_lane: bool = option(True, "on one host, hand the pages to the decode side's "
+                                        "agent directly (it copies them out of this worker's "
+                                        "pool; off: through this host's agent)")
     prefill_wait_s: float = option(300.0, "longest a prompt may wait and run before its "
                                           "Prefill call fails (s)")
 
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return PrefillWorker(loop, connect_agent(cfg), worker_id=worker_id,
                              transfer_timeout_s=cfg.transfer_timeout_s,
                              prefill_wait_s=cfg.prefill_wait_s,
-                             pipeline_handoff=cfg.pipeline_handoff)
+                             pipeline_handoff=cfg.pipeline_handoff,
+                             same_host_lane=cfg.same_host_lane)
 
     def servicers(worker: PrefillWorker) -> Callable[[grpc.Server], None]:
         return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(

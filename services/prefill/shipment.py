@@ -25,16 +25,28 @@ import threading
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import replace
+from typing import Protocol
 
 from pdserve.common.errors import Aborted
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.tickets import TicketKey
-from pdserve.worker.agent_calls import Send
-from pdserve.worker.agent_client import AgentClient
+
+
+class Handoff(Protocol):
+    def result(self) -> TransferReport: ...
+
+    def cancel(self) -> None: ...
+
+
+class Sends(Protocol):
+    """Where parts go: the agent (`AgentClient`), or the worker's same-host lane."""
+
+    def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
+             destination: Destination, timeout_s: float) -> Handoff: ...
 
 
 class Shipment:
-    def __init__(self, agent: AgentClient, ticket: TicketKey, pool_id: str,
+    def __init__(self, agent: Sends, ticket: TicketKey, pool_id: str,
                  destination: Destination, timeout_s: float, executor: Executor):
         self._agent = agent
         self._ticket = ticket
@@ -46,7 +58,7 @@ class Shipment:
         self._queued: list[tuple[list[int], int]] = []  # (src pages, offset in the prompt)
         self._shipped = 0  # pages handed to a part so far
         self._drain: Future[None] | None = None
-        self._current: Send | None = None
+        self._current: Handoff | None = None
         self._reports: list[TransferReport] = []
         self._busy_s = 0.0  # the parts' durations, summed
         self._last_done = 0.0

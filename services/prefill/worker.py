@@ -26,6 +26,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import StepOutput
 from pdserve.prefill.shipment import Shipment
 from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.samehost import SameHostLane
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
 
@@ -35,7 +36,7 @@ class PrefillWorker:
 
     def __init__(self, loop: EngineLoop, agent: AgentClient, *, worker_id: str,
                  transfer_timeout_s: float = 30.0, prefill_wait_s: float = 300.0,
-                 pipeline_handoff: bool = True):
+                 pipeline_handoff: bool = True, same_host_lane: bool = True):
         self.loop = loop
         self.engine = loop.engine
         self.agent = agent
@@ -44,6 +45,8 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_wait_s = prefill_wait_s
         self.pipeline_handoff = pipeline_handoff
+        self.same_host_lane = same_host_lane
+        self.lane: SameHostLane | None = None
         self.pool_id = ""
         self.admitting = True
         self._shipments: dict[str, Shipment] = {}
@@ -56,6 +59,9 @@ class PrefillWorker:
         self.pool_id, _ = self.agent.register_pool(
             self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
             on_registered=self._registered)
+        if self.same_host_lane:
+            self.lane = SameHostLane(self.agent, pool.fd, pool.num_pages, pool.page_bytes,
+                                     pool.fingerprint, self.worker_id)
 
     def _registered(self, pool_id: str, agent_epoch: int) -> None:
         self.pool_id = pool_id  # again after an agent restart
@@ -98,7 +104,7 @@ class PrefillWorker:
 
     def _shipment(self, rid: str, ticket: TicketKey, destination: Destination,
                   cancelled: threading.Event) -> Shipment:
-        shipment = Shipment(self.agent, ticket, self.pool_id, destination,
+        shipment = Shipment(self.lane or self.agent, ticket, self.pool_id, destination,
                             self.transfer_timeout_s, self._parts)
         with self._lock:
             if cancelled.is_set():
@@ -144,6 +150,8 @@ class PrefillWorker:
     def stop(self) -> None:
         self.admitting = False
         self._parts.shutdown(wait=False, cancel_futures=True)
+        if self.lane is not None:
+            self.lane.close()
         self.agent.close()
 
 

@@ -71,6 +71,8 @@ class AgentClient:
         self._stopping = threading.Event()
         self._spec: PoolSpec | None = None
         self._pool_conn: socket.socket | None = None
+        self._notes: socket.socket | None = None  # `note`'s connection
+        self._notes_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._on_registered: Callable[[str, int], None] = lambda pool_id, epoch: None
         self.pool_id = ""
@@ -219,12 +221,28 @@ class AgentClient:
             "timeout_ms": timeout_s * 1e3, "traceparent": tracing.traceparent()},
             "KV handoff", timeout_s + 1.0))
 
+    def note(self, message: dict[str, Any]) -> None:
+        """Tell the agent something that needs no answer (`sent`): written, not waited for;
+        lost, with a debug line, when the agent cannot be reached."""
+        with self._notes_lock:
+            try:
+                if self._notes is None:
+                    self._notes = self.checkout()
+                localsock.send(self._notes, message)
+            except (OSError, ServiceError) as exc:
+                log.debug("note to the agent lost: %s", exc)
+                if self._notes is not None:
+                    self._notes.close()
+                    self._notes = None
+
     def close(self) -> None:
         self._stopping.set()
         with self._lock:
             idle, self._idle = self._idle, []
             pool_conn, self._pool_conn = self._pool_conn, None
-        for conn in idle:
+        with self._notes_lock:
+            notes, self._notes = self._notes, None
+        for conn in idle + ([notes] if notes is not None else []):
             conn.close()
         if pool_conn is not None:
             try:

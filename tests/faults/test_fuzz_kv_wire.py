@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pdserve.common import wire
+from pdserve.common.kv.wire import MAGIC, MAX_BODY_BYTES, MAX_RUNS, VERSION, WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.wire import MAGIC, MAX_BODY_BYTES, MAX_RUNS, VERSION, WriteHeader
 from pdserve.v1 import kvtransfer_pb2
 
 from tests.faults.protofuzz import F64, FUZZ, I32, TEXT, U64, raw_unary

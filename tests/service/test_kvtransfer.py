@@ -1,6 +1,8 @@
 """Real kvtransfer agents on loopback: handoffs land byte-exact, refusals write nothing, over
-each data path: `shm` (two agents of one host: the receiver copies out of the sender's pool)
-and `ucx` / `tcp` (the same agents with the same-host copy turned off).
+each data path: `shm` (two agents of one host: the receiver copies out of the sender's pool),
+`lane` (the same, asked for by the prefill worker's own same-host lane instead of the sending
+agent: pdserve.worker.samehost, run here in the test process as a worker runs it) and `ucx` /
+`tcp` (the same agents with the same-host copy turned off).
 
 Pools are nameless segments created here and filled with known bytes; they are handed to the
 agents as descriptors over their local sockets, exactly as a worker hands over its pool.
@@ -22,8 +24,17 @@ import pytest
 from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.common import localsock
+from pdserve.common.errors import ServiceError
 from pdserve.common.shm import SharedSegment, leftover_segments
+from pdserve.common.wire import (
+    destination_from_pb,
+    fingerprint_from_pb,
+    report_to_pb,
+    ticket_from_pb,
+)
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
+from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.samehost import SameHostLane
 
 from tests.support import ServiceProcess, free_port, running, wait_for
 
@@ -53,6 +64,7 @@ class Pool:
         self.data[:] = np.random.default_rng(seed).integers(0, 256, self.data.size, dtype=np.uint8)
         self.fingerprint = fingerprint
         self.conn = None
+        self._lanes: list[tuple[AgentClient, SameHostLane]] = []
         try:
             address = stub.GetAgentInfo(kvtransfer_pb2.GetAgentInfoRequest(),
                                         timeout=10).local_socket
@@ -77,8 +89,24 @@ class Pool:
     def snapshot(self) -> np.ndarray:
         return self.data.copy()
 
+    def lane(self, sender: Agent) -> SameHostLane:
+        """This pool's worker's same-host lane, by way of `sender` (its host's agent)."""
+        client = AgentClient(sender.address)
+        client.wait_ready(10)
+        client.pool_id = self.pool_id
+        fingerprint = fingerprint_from_pb(self.fingerprint)
+        assert fingerprint is not None
+        lane = SameHostLane(client, self.segment.fd, self.data.size // PAGE_BYTES, PAGE_BYTES,
+                            fingerprint, f"worker-{self.pool_id}")
+        self._lanes.append((client, lane))
+        return lane
+
     def close(self) -> None:
         """The worker goes away: the agent drops the pool. Safe to call twice."""
+        for client, lane in self._lanes:
+            lane.close()
+            client.close()
+        self._lanes = []
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -109,6 +137,7 @@ class Pair:
     receiver: Agent
     src: Pool
     dst: Pool
+    lane: bool = False  # sent by the source pool's worker's same-host lane, not by SendPages
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,9 +147,9 @@ def no_segments_left_behind() -> Iterator[None]:
     assert leftover_segments(os.getpid()) == []
 
 
-@pytest.fixture(scope="module", params=["shm", "ucx", "tcp"])
+@pytest.fixture(scope="module", params=["shm", "lane", "ucx", "tcp"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    transport = request.param
+    transport, lane = ("shm", True) if request.param == "lane" else (request.param, False)
     # The TCP agents take their transport (and the same-host copy, off) from environment twins.
     extra, env = {
         "shm": (("--transport", "tcp"), None),
@@ -132,7 +161,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
             agent(free_port(), *extra, env=env) as receiver:
         src, dst = Pool(sender.stub, "prefill-0", seed=1), Pool(receiver.stub, "decode-0", seed=2)
         try:
-            yield Pair(transport, sender, receiver, src, dst)
+            yield Pair(transport, sender, receiver, src, dst, lane)
         finally:
             src.close()
             dst.close()
@@ -162,9 +191,32 @@ def send(p: Pair, ticket: common_pb2.Ticket, src_pages: list[int], dst_pages: li
         agent_epoch=dst.agent_epoch if epoch is None else epoch)
     if fingerprint is not None:
         destination.fingerprint.CopyFrom(fingerprint)
+    if p.lane:
+        src = src or p.src
+        lane = src.lane(p.sender) if not src._lanes else src._lanes[0][1]
+        try:
+            return report_to_pb(lane.send(ticket_from_pb(ticket), src.pool_id, src_pages,
+                                          destination_from_pb(destination),
+                                          timeout_ms / 1e3).result())
+        except ServiceError as exc:
+            raise LaneError(exc) from None
     return p.sender.stub.SendPages(kvtransfer_pb2.SendPagesRequest(
         ticket=ticket, src_pool_id=(src or p.src).pool_id, src_page_ids=src_pages,
         destination=destination, timeout_ms=timeout_ms), timeout=timeout_ms / 1e3 + 5).report
+
+
+class LaneError(grpc.RpcError):
+    """The lane's error (a ServiceError: the status the agent would give) as the gRPC call's."""
+
+    def __init__(self, exc: ServiceError):
+        super().__init__(exc.message)
+        self._exc = exc
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode[self._exc.code]
+
+    def details(self) -> str:
+        return self._exc.message
 
 
 def rpc_error(call, *args, **kwargs) -> grpc.RpcError:  # noqa: ANN001
@@ -192,6 +244,8 @@ def test_handoff_lands_byte_exact_and_nothing_else_changes(pair: Pair) -> None:
     assert report.handoff_ms > 0
     assert report.transport == pair.transport
     assert report.num_runs == 3  # 3..6 -> 10..13, 9 -> 50, 40..41 -> 30..31
+    if pair.lane:  # the worker's lane copied it itself, not through the sending agent
+        assert pair.src._lanes[0][1].copied == 1
     status = pair.receiver.stub.TransferStatus(
         kvtransfer_pb2.TransferStatusRequest(ticket=ticket), timeout=10)
     assert status.complete and status.kv_bytes == report.kv_bytes
@@ -350,9 +404,10 @@ def test_same_agent_copies_locally(pair: Pair) -> None:
         local.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "ucx", "tcp"])
-def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(transport: str) -> None:
+@pytest.mark.parametrize("path", ["shm", "lane", "ucx", "tcp"])
+def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(path: str) -> None:
     port = free_port()
+    transport, lane = ("shm", True) if path == "lane" else (path, False)
     flags = ("--transport", "tcp") if transport == "shm" else (
         "--transport", transport, "--no-same-host-copy")
     with agent(free_port(), *flags) as sender:
@@ -360,7 +415,7 @@ def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(transpor
         try:
             with agent(port, *flags) as receiver:
                 dst = Pool(receiver.stub, "decode-r", seed=8, num_pages=8)
-                pair = Pair(transport, sender, receiver, src, dst)
+                pair = Pair(transport, sender, receiver, src, dst, lane)
                 ticket = new_ticket()
                 old_epoch = expect(receiver, dst, ticket, [1])
                 send(pair, ticket, [0], [1])  # the sender now caches the receiver's info
@@ -370,7 +425,7 @@ def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(transpor
             with agent(port, *flags) as receiver:
                 dst = Pool(receiver.stub, "decode-r", seed=9, num_pages=8)
                 assert dst.agent_epoch != old_epoch
-                pair = Pair(transport, sender, receiver, src, dst)
+                pair = Pair(transport, sender, receiver, src, dst, lane)
                 before = dst.snapshot()
                 err = rpc_error(send, pair, old_ticket, [3], [2], epoch=old_epoch)
                 assert err.code() == Code.FAILED_PRECONDITION, err.details()
@@ -382,6 +437,8 @@ def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(transpor
                 ticket = new_ticket()
                 expect(receiver, dst, ticket, [2])
                 assert send(pair, ticket, [3], [2]).transport == transport
+                if lane:  # the lane found the restarted agent and copies to it again itself
+                    assert src._lanes[0][1].copied == 2
                 assert np.array_equal(dst.page(2), src.page(3))
                 dst.close()
         finally:

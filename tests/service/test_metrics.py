@@ -96,7 +96,15 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     assert moved("router", "pdserve_kv_bytes_total", transport="shm") == kv_bytes
     assert moved("router", "pdserve_completion_tokens_total") == N * MAX_TOKENS
     # agents: host A (prefill) sent the bytes the Timing messages reported to host B's agent,
-    # and host B received them from host A's (peer: the other agent's --agent-id)
+    # and host B received them from host A's (peer: the other agent's --agent-id). The prefill
+    # worker copied to host B itself and told its agent afterwards, in a note nobody waits for:
+    # counted once it has been read.
+    def sent_by_a() -> float:
+        after["kvtransfer-a"] = Scrape(stack.scrape("kvtransfer-a"))
+        return moved("kvtransfer-a", "pdserve_kv_transfer_bytes_total", transport="shm",
+                     direction="send", peer="host-b")
+
+    assert wait_for(lambda: sent_by_a() >= kv_bytes)
     assert moved("kvtransfer-a", "pdserve_kv_transfer_bytes_total", transport="shm",
                  direction="send", peer="host-b") == kv_bytes
     assert moved("kvtransfer-b", "pdserve_kv_transfer_bytes_total", transport="shm",

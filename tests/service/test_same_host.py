@@ -1,11 +1,13 @@
 """The same-host copy's own cases, with real agents: where it cannot be used (the receiver's
 socket unreachable from the sender, or another agent's) the handoff falls back to the network
-transport and still lands byte-exact; a sender's pool mapped by a receiver is unmapped there
-once its worker is gone. (Its refusals, cancel and restart cases run with the other
-transports' in test_kvtransfer.py.)"""
+transport and still lands byte-exact, also when a prefill worker's own lane asked for it; a
+sender's pool mapped by a receiver is unmapped there once its worker is gone. (Its refusals,
+cancel and restart cases run with the other transports' in test_kvtransfer.py, the lane's
+too.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,10 @@ def test_a_socket_the_sender_cannot_use_falls_back_to_the_network(socket_dir: Pa
             sockets["b"].unlink()
             sockets["c"].unlink()
             sockets["c"].symlink_to(sockets["a"])
+            # A worker's lane, asked first: its agent has not tried b yet and lets it try; it
+            # cannot reach b's socket either, so the handoff goes through the agent.
+            assert _handoff(replace(first, lane=True), [10], [11]) == "tcp"
+            assert first.src._lanes[0][1].copied == 0
             for pair in pairs:
                 assert _handoff(pair, [1, 2, 3], [4, 5, 6]) == "tcp"
                 assert _handoff(pair, [7], [8]) == "tcp"  # remembered: no second attempt
@@ -63,10 +69,11 @@ def test_a_socket_the_sender_cannot_use_falls_back_to_the_network(socket_dir: Pa
                 pair.dst.close()
 
 
-def test_a_receiver_unmaps_a_senders_pool_once_its_worker_is_gone() -> None:
+@pytest.mark.parametrize("lane", [False, True], ids=["agent", "lane"])
+def test_a_receiver_unmaps_a_senders_pool_once_its_worker_is_gone(lane: bool) -> None:
     with agent(free_port(), "--transport", "tcp") as a, \
             agent(free_port(), "--transport", "tcp") as b:
-        pair = _pair(a, b)
+        pair = replace(_pair(a, b), lane=lane)
         try:
             assert _handoff(pair, [0, 1], [2, 3]) == "shm"
             receiver_pid = b.proc.proc.pid

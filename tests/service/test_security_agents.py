@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from pdserve.certs import CertPaths, create
 from pdserve.common import localsock
+from pdserve.common.kv.errors import Unauthorized
+from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.common.shm import leftover_segments
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import Unauthorized
 from pdserve.kvtransfer.transport import IncomingWrite, PeerContact
-from pdserve.kvtransfer.wire import WriteHeader
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from tests.service.test_kvtransfer import FP, PAGE_BYTES, Pool, agent_argv

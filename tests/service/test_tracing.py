@@ -1,9 +1,10 @@
 """Distributed tracing end to end: `pdserve up --otlp-endpoint` against an OTLP receiver.
 
 The receiver is a real OTLP/gRPC TraceService (the opentelemetry-proto stubs) in this test
-process; every pdserve process exports to it. One request must give one trace across router,
-prefill, both kvtransfer agents and decode, correctly parented, with the handoff's figures as
-attributes; a client's own traceparent must be continued.
+process; every pdserve process exports to it. One request must give one trace across every
+process it passes (router, prefill, the decode side's kvtransfer agent, decode; the prefill
+side's agent too when the handoff goes through it), correctly parented, with the handoff's
+figures as attributes; a client's own traceparent must be continued.
 """
 
 from __future__ import annotations
@@ -125,17 +126,30 @@ def _one(spans: list[ExportedSpan], name: str) -> ExportedSpan:
     return found[0]
 
 
-def test_one_request_is_one_trace_across_five_processes(stack, receiver):
+def test_one_request_is_one_trace_across_every_process(stack, receiver):
+    # On one host the prefill worker hands its pages to the decode side's agent itself: four
+    # processes, the worker's kv.send the parent of that agent's kv.receive.
+    _one_trace(stack, receiver, processes=4, sender="pdserve-prefill")
+
+
+def test_through_the_agents_one_trace_spans_five_processes(receiver, tiny_model_dir):
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with pdserve_stack("--otlp-endpoint", f"127.0.0.1:{receiver.port}",
+                       "--no-same-host-lane", env=env) as s:
+        _one_trace(s, receiver, processes=5, sender="pdserve-kvtransfer")
+
+
+def _one_trace(stack, receiver, *, processes: int, sender: str) -> None:
     rid = "trace-" + secrets.token_hex(4)
     _, _, timing, finish = collect(stack.generate(request_id=rid, prompt="def fibonacci(n):",
                                                   max_tokens=8, temperature=0.0, ignore_eos=True))
     spans = _trace_of(receiver, rid)
     by_id = {s.span_id: s for s in spans}
 
-    # Every process took part: 4 services, 5 processes (the two agents by instance id).
+    # Every process took part: 4 services; the agents told apart by instance id.
     assert {s.service for s in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode",
                                           "pdserve-kvtransfer"}
-    assert len({(s.service, s.instance) for s in spans}) == 5
+    assert len({(s.service, s.instance) for s in spans}) == processes
     # Everything the workers did for this request is in this one trace.
     assert all(s.trace_id == spans[0].trace_id
                for s in receiver.spans(lambda s: s.attributes.get("request_id") == rid))
@@ -157,7 +171,8 @@ def test_one_request_is_one_trace_across_five_processes(stack, receiver):
     assert parent("kv.receive") == "kv.send"
     assert parent("decode.admission") == parent("decode.stream") == "router.decode_stream"
     send, receive = _one(spans, "kv.send"), _one(spans, "kv.receive")
-    assert send.instance != receive.instance  # the prefill host's agent, then the decode host's
+    assert (send.service, receive.service) == (sender, "pdserve-kvtransfer")
+    assert send.instance != receive.instance  # the prefill side, then the decode host's agent
 
     # The TTFT components and the handoff as attributes.
     assert root.attributes["model"] == "builtin-tiny"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 from pdserve.common.config import parse_config
+from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 from pdserve.decode.main import DecodeConfig
-from pdserve.kvtransfer.wire import WriteHeader
 from pdserve.worker.main import worker_name
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from pdserve.kvtransfer.runs import PageRun, check_page_ids, coalesce, expand
+from pdserve.common.kv.runs import PageRun, check_page_ids, coalesce, expand
 
 pytestmark = pytest.mark.unit
 

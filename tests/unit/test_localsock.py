@@ -10,11 +10,11 @@ import threading
 
 import pytest
 from pdserve.common import localsock
+from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.shm import SharedSegment
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.shm import ShmReceiver
-from pdserve.kvtransfer.wire import WriteHeader
 
 pytestmark = pytest.mark.unit
 FP = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 4)

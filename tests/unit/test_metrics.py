@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from pdserve.common import errors as common_errors
+from pdserve.common.kv import errors
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.metrics import (
     AgentMetrics,
@@ -13,7 +14,6 @@ from pdserve.common.metrics import (
     WorkerMetrics,
     count_outcome,
 )
-from pdserve.kvtransfer import errors
 from pdserve.worker.types import WorkerStats
 
 from tests.support import exposition, value

@@ -13,6 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from pdserve.certs import CertPaths, create
 from pdserve.common.config import ServerConfig, TlsOptions
+from pdserve.common.kv.errors import Unauthorized
+from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.security import (
     ApiKeys,
@@ -22,9 +24,7 @@ from pdserve.common.security import (
     load_api_keys,
 )
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import Unauthorized
 from pdserve.kvtransfer.grants import GrantBook
-from pdserve.kvtransfer.wire import WriteHeader
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from pdserve.common.kv.errors import BadRequest, TicketBusy, TicketCancelled
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import BadRequest, TicketBusy, TicketCancelled
 from pdserve.kvtransfer.tickets import TicketBook
 
 pytestmark = pytest.mark.unit

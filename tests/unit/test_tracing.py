@@ -8,9 +8,9 @@ import grpc
 import pytest
 from pdserve.common import tracing
 from pdserve.common.errors import NotFound, Unavailable
+from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.wire import WriteHeader
 from pdserve.router.cancel import ClientCancelled
 
 pytestmark = pytest.mark.unit

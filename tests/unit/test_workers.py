@@ -116,7 +116,8 @@ def pair(tiny_model_dir):
         engine, _ = build_engine("tiny", role=role, num_pages=64, chunk_size=32)
         loop = EngineLoop(engine).start()
         loops.append(loop)
-        kwargs = {"agent_address": "fake"} if role == "decode" else {}
+        # (the prefill worker's same-host lane speaks to real agents: off with the fakes)
+        kwargs = {"agent_address": "fake"} if role == "decode" else {"same_host_lane": False}
         worker = make(loop, agents, worker_id=role, **kwargs)
         agents.tensors[role] = engine.pool.tensor
         worker.register()

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pdserve.common.kv.errors import BadRequest, KvTransferError, LayoutMismatch, from_wire
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
-from pdserve.kvtransfer.errors import BadRequest, KvTransferError, from_wire
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -37,6 +37,18 @@ REPLY_BYTES = 1024  # a reply always fits in this many bytes (the message is cut
 MAX_RUNS = 1 << 17
 MAX_BODY_BYTES = 1 << 16
 MAX_HEADER_BYTES = PREFIX_BYTES + MAX_BODY_BYTES + 8 * MAX_RUNS  # about 1.1 MiB
+LIVENESS_INTERVAL_S = 1.0  # how often a sender waiting on a receiver checks that it still lives
+
+
+def expect_same(mine: LayoutFingerprint, theirs: LayoutFingerprint, mine_name: str,
+                theirs_name: str) -> None:
+    """Raise LayoutMismatch naming each differing field as `field: mine != theirs`."""
+    if mine == theirs:  # the common case, once per handoff on each side: no field walk
+        return
+    diffs = mine.mismatches(theirs)
+    if diffs:
+        raise LayoutMismatch(f"layout mismatch between {mine_name} and {theirs_name} pool: "
+                             + "; ".join(diffs))
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,7 +144,7 @@ class Reply:
     """The receiver's answer: ready for data, done (all bytes resident), or an error."""
 
     stage: str  # "ready" | "done"
-    error_kind: str = ""  # a class name from pdserve.kvtransfer.errors; empty on success
+    error_kind: str = ""  # a class name from pdserve.common.kv.errors; empty on success
     message: str = ""
 
     @classmethod

@@ -1,0 +1,269 @@
+"""A prefill worker's own same-host lane: the decode side's agent copies the pages straight
+out of this worker's pool, with this host's agent out of the way.
+
+Through the agents, a handoff on one host wakes four processes in turn (this worker -> its
+agent -> the destination agent -> its agent -> this worker), each wake-up 0.1-0.2 ms on a
+small machine, around a copy that takes tens of microseconds for a page. When the destination
+agent shares this host, the worker speaks the same-host path's `shm_write` to it itself
+(pdserve.kvtransfer.shm): two wake-ups. The receiving agent maps this pool read-only once per
+connection and checks every write exactly as it does its peers' (ticket and epoch, pool,
+layout, pages; a cancel stops the copy), so the guarantees are the same-host path's.
+
+Which destinations qualify is this host's agent's call, asked once per destination agent and
+epoch (`peer` on its local socket): only those it would copy to itself (their local socket
+reachable here, not proven remote) and only without mutual TLS (writes then need a grant,
+which only agents hold). Anything that makes the lane unusable (the socket unreachable or
+another agent's, the pool not mappable there) sends through the agent instead, and so does a
+connection that breaks: the agent retries, or names what is wrong. A refusal by the
+destination (stale epoch, cancelled ticket, bad pages) is the handoff's error, with the status
+the agent would give it. The agent still counts what this worker sent (`sent`, a note with no
+reply), and this worker's kv.send span stands in for the agent's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.common import failpoints, tracing
+from pdserve.common.errors import Aborted, ServiceError
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.kv.errors import (
+    KvTransferError,
+    PeerUnavailable,
+    SegmentUnavailable,
+    cause,
+    status_name,
+)
+from pdserve.common.kv.runs import coalesce
+from pdserve.common.kv.samehost import open_connection, raise_refusal, request_copy, write_message
+from pdserve.common.kv.spans import send_span
+from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey
+from pdserve.worker.agent_calls import Send
+from pdserve.worker.agent_client import AgentClient
+
+log = logging.getLogger("pdserve.worker.samehost")
+MAX_IDLE_PER_PEER = 4
+MAX_ROUTES = 1024  # destination agents (x epochs) remembered
+
+
+@dataclass(frozen=True)
+class Route:
+    """A destination agent this worker copies to itself."""
+
+    agent_id: str
+    local_socket: str
+    token: bytes
+    sender: str  # this host's agent's id: the receiver counts the bytes as that peer's
+
+
+class _UseAgent(Exception):
+    """The lane cannot take this handoff: send it through the agent."""
+
+
+class SameHostLane:
+    """`send` as `AgentClient.send` has it, taking the lane where it can (thread-safe)."""
+
+    def __init__(self, agent: AgentClient, pool_fd: int, num_pages: int, page_bytes: int,
+                 fingerprint: LayoutFingerprint, worker_id: str):
+        self._agent = agent
+        self._num_pages = num_pages
+        self._page_bytes = page_bytes
+        self._fingerprint = fingerprint
+        self._pool_key = f"worker:{worker_id}:{os.getpid()}"  # the receiver's name for the map
+        self._readonly_fd = os.open(f"/proc/self/fd/{pool_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._routes: dict[tuple[str, int], Route | None] = {}
+        self._idle: dict[str, list[socket.socket]] = {}  # connections that carried the pool
+        self.copied = 0  # handoffs this lane made itself (the rest went through the agent)
+
+    def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
+             destination: Destination, timeout_s: float) -> Send | LaneSend:
+        fallback = self._agent.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
+        route = self.route(destination)
+        if route is None:
+            return fallback
+        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, fallback)
+
+    def route(self, dest: Destination) -> Route | None:
+        """The lane to the destination's agent, or None (send through this host's agent)."""
+        key = (dest.agent_address, dest.agent_epoch)
+        with self._lock:
+            if key in self._routes:
+                return self._routes[key]
+        try:
+            reply = self._agent.call({"op": "peer", "address": dest.agent_address,
+                                      "epoch": dest.agent_epoch}, "same-host route")
+        except ServiceError as exc:  # not remembered: the agent path names what is wrong
+            log.debug("no same-host route to %s: %s", dest.agent_address, exc)
+            return None
+        route = None
+        if reply.get("usable"):
+            route = Route(str(reply["agent_id"]), str(reply["local_socket"]),
+                          bytes.fromhex(str(reply["local_token"])), str(reply["sender"]))
+        self._remember(key, route)
+        return route
+
+    def _remember(self, key: tuple[str, int], route: Route | None) -> None:
+        with self._lock:
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            self._routes[key] = route
+
+    def copy(self, s: LaneSend) -> TransferReport:
+        """One handoff over the lane; _UseAgent when it cannot take it."""
+        started = time.perf_counter()
+        failpoints.hit("kv.send", s.ticket.request_id)
+        try:
+            runs = coalesce(s.src_page_ids, s.dest.page_ids)
+        except ValueError:
+            raise _UseAgent() from None  # the agent names the bad request
+        if not runs or len(runs) > MAX_RUNS:
+            raise _UseAgent()
+        route, dest = s.route, s.dest
+        if dest.fingerprint is not None:  # caught here, as the agent does, before any I/O
+            try:
+                expect_same(self._fingerprint, dest.fingerprint, "source", "destination")
+            except KvTransferError as exc:
+                self._note_failure(exc)
+                raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)
+                                   ) from None
+        with send_span(route.sender, s.ticket.request_id, dest.agent_address,
+                       len(s.src_page_ids)) as span:
+            header = WriteHeader(
+                xfer_id=random.getrandbits(36), ticket=s.ticket,
+                dst_agent_epoch=dest.agent_epoch, dst_pool_id=dest.pool_id,
+                fingerprint=self._fingerprint, page_bytes=self._page_bytes,
+                dst_runs=tuple((r.dst_start, r.num_pages) for r in runs),
+                timeout_ms=s.timeout_s * 1e3, traceparent=tracing.traceparent(),
+                sender=route.sender)
+            sock, fresh = self._checkout(s)
+            s.attach(sock)
+            reusable = False
+            try:
+                reply = request_copy(
+                    sock, write_message(self._pool_key, self._num_pages, runs), header,
+                    (self._readonly_fd,) if fresh else (), time.monotonic() + s.timeout_s,
+                    lambda: None, f"agent {route.agent_id}")
+                reusable = True
+            except PeerUnavailable as exc:  # the connection broke: the agent sorts it out
+                if s.cancelled:
+                    raise Aborted("the KV handoff was cancelled") from None
+                log.info("same-host lane to agent %s: %s; sending through the agent",
+                         route.agent_id, exc.message)
+                raise _UseAgent() from None
+            except KvTransferError as exc:  # timed out
+                self._note_failure(exc)
+                raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)
+                                   ) from None
+            finally:
+                s.attach(None)
+                self._checkin(route, sock, reusable and not s.cancelled)
+            try:
+                raise_refusal(reply)
+            except SegmentUnavailable as exc:
+                self._remember((dest.agent_address, dest.agent_epoch), None)
+                log.info("agent %s cannot copy from this worker's pool (%s): handoffs to it go "
+                         "through this host's agent", route.agent_id, exc.message)
+                raise _UseAgent() from None
+            except KvTransferError as exc:
+                self._note_failure(exc)
+                raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)
+                                   ) from None
+            elapsed_ms = (time.perf_counter() - started) * 1e3
+            report = TransferReport(elapsed_ms, header.kv_bytes, len(s.src_page_ids), "shm",
+                                    len(runs), elapsed_ms)
+            span.report(report)
+        with self._lock:
+            self.copied += 1
+        self._agent.note({"op": "sent", "ok": True, "transport": "shm",
+                          "kv_bytes": report.kv_bytes, "kv_pages": report.kv_pages,
+                          "seconds": elapsed_ms / 1e3, "peer": route.agent_id})
+        return report
+
+    def _note_failure(self, exc: KvTransferError) -> None:
+        self._agent.note({"op": "sent", "ok": False, "cause": cause(exc)})
+
+    def _checkout(self, s: LaneSend) -> tuple[socket.socket, bool]:
+        """A connection to the route's agent, and whether it is new (the pool's descriptor
+        goes with its first write)."""
+        with self._lock:
+            idle = self._idle.get(s.route.local_socket)
+            if idle:
+                return idle.pop(), False
+        try:
+            return open_connection(s.route.local_socket, s.route.token,
+                                   lambda: s.route.token), True
+        except SegmentUnavailable as exc:
+            self._remember((s.dest.agent_address, s.dest.agent_epoch), None)
+            log.info("agent %s is not reachable on this host (%s): handoffs to it go through "
+                     "this host's agent", s.route.agent_id, exc.message)
+            raise _UseAgent() from None
+
+    def _checkin(self, route: Route, sock: socket.socket, reusable: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(route.local_socket, [])
+            if reusable and len(idle) < MAX_IDLE_PER_PEER:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for sock in conns:
+                sock.close()
+        os.close(self._readonly_fd)
+
+
+class LaneSend:
+    """A handoff over the lane, through the agent when the lane cannot take it; `cancel()`
+    (any thread) gives up either way."""
+
+    def __init__(self, lane: SameHostLane, route: Route, ticket: TicketKey,
+                 src_page_ids: list[int], dest: Destination, timeout_s: float, fallback: Send):
+        self.route, self.ticket, self.src_page_ids = route, ticket, src_page_ids
+        self.dest, self.timeout_s = dest, timeout_s
+        self._lane = lane
+        self._fallback = fallback
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.cancelled = False
+
+    def result(self) -> TransferReport:
+        if self.cancelled:
+            raise Aborted("the KV handoff was cancelled")
+        try:
+            return self._lane.copy(self)
+        except _UseAgent:
+            return self._fallback.result()
+
+    def attach(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sock = sock
+            cancelled = self.cancelled
+        if sock is not None and cancelled:
+            _hang_up(sock)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            sock = self._sock
+        if sock is not None:
+            _hang_up(sock)  # wakes the thread waiting for the receiver's reply
+        self._fallback.cancel()
+
+
+def _hang_up(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
