@@ -20,12 +20,12 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from pdserve.common.models import cache_dir
+from pdserve.common.native import build_shared, kernels_dir, prebuild_main
+from pdserve.common.native import cpu_flags as _cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
@@ -42,28 +42,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def _build(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lmvec", "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users (an image's) must load it
-        os.replace(tmp, target)  # atomic: a concurrent build by another process is harmless
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    build_shared(compiler, SOURCE, target, flags, libs=("-lmvec", "-lm"))
 
 
 def _portable_name(level: str) -> str:
@@ -101,7 +81,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("PDSERVE_NO_NATIVE_ATTENTION"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    kernels = cache_dir() / "kernels"
+    kernels = kernels_dir()
     if compiler:
         key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
                              + _cpu_flags().encode()).hexdigest()[:16]
@@ -154,19 +134,8 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdserve.engine.kernels prebuild DIR`: portable builds for images."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.kernels")
-    commands = parser.add_subparsers(dest="command", required=True)
-    cmd = commands.add_parser("prebuild", help="portable builds of the attention kernel, one per "
-                                               "x86-64 ISA level, into DIR (DIR/kernels under a "
-                                               "PDSERVE_CACHE_DIR is where workers look)")
-    cmd.add_argument("directory", type=Path)
-    args = parser.parse_args(argv)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-    for path in prebuild(args.directory, compiler):
-        print(path)
-    return 0
+    return prebuild_main("pdserve.engine.kernels", "portable builds of the attention kernel, "
+                         "one per x86-64 ISA level,", prebuild, argv)
 
 
 if __name__ == "__main__":

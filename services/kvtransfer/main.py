@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from pdserve.common import fastcopy
 from pdserve.common.config import parse_config
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(cfg.log_format, cfg.log_level, service=SERVICE)
     setup_tracing("pdserve-kvtransfer", instance_id=cfg.name)
     local_socket = cfg.local_socket or default_address(cfg.port)
+    # The copy library is built or loaded now, not inside the first big handoff.
+    log.info("KV copies of %d MiB and more: streaming stores (%s)",
+             fastcopy.STREAM_MIN_BYTES >> 20, fastcopy.isa())
     agent = Agent(cfg.name, make_transport(cfg), default_timeout_s=cfg.default_timeout_s,
                   cancel_wait_s=cfg.cancel_wait_s, security=ChannelSecurity.from_options(cfg),
                   grant_writes=bool(cfg.tls_ca) and cfg.tls_client_auth,

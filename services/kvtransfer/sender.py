@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-from pdserve.common import failpoints, tracing
+from pdserve.common import failpoints, fastcopy, tracing
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.kv.errors import (
     BadRequest,
@@ -106,7 +105,7 @@ class Sender:
         ok = False
         try:
             for run, dst in zip(runs, write.dst_views):
-                np.copyto(dst, pool.pages(run.src_start, run.num_pages))
+                fastcopy.copy(dst, pool.pages(run.src_start, run.num_pages), header.kv_bytes)
             ok = True
         finally:
             sink.finish(write, ok)

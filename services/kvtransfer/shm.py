@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pdserve.common import fastcopy
 from pdserve.common.kv.errors import (
     BadRequest,
     KvTransferError,
@@ -227,7 +228,7 @@ class ShmReceiver:
                     if write.abort.is_set():
                         raise _Aborted()
                     stop = min(at + COPY_SLICE_BYTES, dst.size)
-                    np.copyto(dst[at:stop], src[offset + at:offset + stop])
+                    fastcopy.copy(dst[at:stop], src[offset + at:offset + stop], header.kv_bytes)
             ok = True
         except _Aborted:
             pass

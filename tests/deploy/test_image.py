@@ -163,6 +163,12 @@ def test_image_serves_the_cpu_demo_pods(stack, expected):
                          pm.logs(names[worker])), f"{worker} runs without the attention kernel:\n" \
             f"{pm.logs(names[worker])}"
 
+    # ... and its agents the streaming KV copy built ahead of time, not numpy's cached copy.
+    for agent in ("prefill/kvtransfer", "decode/kvtransfer"):
+        assert re.search(r"KV copies of \d+ MiB and more: streaming stores \((avx512|avx|sse2)\)",
+                         pm.logs(names[agent])), f"{agent} has no streaming KV copy:\n" \
+            f"{pm.logs(names[agent])}"
+
     # Prometheus scrapes the port the pod's annotations name.
     pod = stack.pods["decode"]
     port = pod.ports[int(pod.deployment["spec"]["template"]["metadata"]["annotations"][
