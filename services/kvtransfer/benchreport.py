@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from pdserve.common import fastcopy
 from pdserve.kvtransfer.baselines import BoundSamples, gb_s
 
 MIB = 1 << 20
@@ -75,7 +76,8 @@ def report(results: list[Row], cross_host: bool = False) -> str:
                      f"{r.vs_memcpy:>9.2f}")
     lines.append("GB/s and ratios from medians; raw TCP: the best of its variants (socket "
                  "buffers x write size); memcpy: the best of numpy whole, numpy in 8 MiB "
-                 "slices and libc memcpy, one thread, pre-faulted destination")
+                 f"slices, libc memcpy and streaming stores ({fastcopy.isa()}), one thread, "
+                 "pre-faulted destination")
     lines += bound_checks(results)
     lines += cross_host_targets(results) if cross_host else targets(results)
     return "\n".join(lines)
