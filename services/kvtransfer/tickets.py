@@ -125,8 +125,7 @@ class TicketBook:
             exp.state = State.WRITING
             exp.writing = True
             exp.writing_pages = pages
-            exp.abort = threading.Event()
-            return exp
+            return exp  # its abort event is set only by a cancel, which ends the ticket
 
     def finish_write(self, exp: Expectation, ok: bool, kv_bytes: int) -> None:
         """End a write. Raises TicketCancelled if the ticket was cancelled meanwhile."""

@@ -35,6 +35,10 @@ from pdserve.common.tickets import TicketKey
 class Handoff(Protocol):
     def result(self) -> TransferReport: ...
 
+    def settle(self) -> None:
+        """Bookkeeping that moves no pages (the lane's note to its agent), after the part's
+        end was taken: it is not part of the handoff's time."""
+
     def cancel(self) -> None: ...
 
 
@@ -135,3 +139,4 @@ class Shipment:
             self._last_done = time.perf_counter()
             self._busy_s += self._last_done - started
             self._reports.append(report)
+        send.settle()

@@ -86,6 +86,9 @@ class Send:
         the agent's status when the handoff failed."""
         return report_from_json(self._call.result()["report"])
 
+    def settle(self) -> None:
+        """Nothing: the agent counted the handoff itself."""
+
     def cancel(self) -> None:
         self._call.cancel()
 

@@ -28,6 +28,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common import failpoints, tracing
@@ -86,11 +87,12 @@ class SameHostLane:
 
     def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
              destination: Destination, timeout_s: float) -> Send | LaneSend:
-        fallback = self._agent.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
         route = self.route(destination)
         if route is None:
-            return fallback
-        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, fallback)
+            return self._agent.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
+        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s,
+                        lambda: self._agent.send(ticket, src_pool_id, src_page_ids, destination,
+                                                 timeout_s))  # made only if the lane cannot
 
     def route(self, dest: Destination) -> Route | None:
         """The lane to the destination's agent, or None (send through this host's agent)."""
@@ -183,10 +185,13 @@ class SameHostLane:
             span.report(report)
         with self._lock:
             self.copied += 1
-        self._agent.note({"op": "sent", "ok": True, "transport": "shm",
-                          "kv_bytes": report.kv_bytes, "kv_pages": report.kv_pages,
-                          "seconds": elapsed_ms / 1e3, "peer": route.agent_id})
+        s.note = {"op": "sent", "ok": True, "transport": "shm", "kv_bytes": report.kv_bytes,
+                  "kv_pages": report.kv_pages, "seconds": elapsed_ms / 1e3,
+                  "peer": route.agent_id}  # told to this host's agent in `settle`
         return report
+
+    def note(self, message: dict[str, object]) -> None:
+        self._agent.note(message)
 
     def _note_failure(self, exc: KvTransferError) -> None:
         self._agent.note({"op": "sent", "ok": False, "cause": cause(exc)})
@@ -229,11 +234,14 @@ class LaneSend:
     (any thread) gives up either way."""
 
     def __init__(self, lane: SameHostLane, route: Route, ticket: TicketKey,
-                 src_page_ids: list[int], dest: Destination, timeout_s: float, fallback: Send):
+                 src_page_ids: list[int], dest: Destination, timeout_s: float,
+                 through_agent: Callable[[], Send]):
         self.route, self.ticket, self.src_page_ids = route, ticket, src_page_ids
         self.dest, self.timeout_s = dest, timeout_s
         self._lane = lane
-        self._fallback = fallback
+        self._through_agent = through_agent
+        self._fallback: Send | None = None
+        self.note: dict[str, object] | None = None  # what this host's agent is told after
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.cancelled = False
@@ -244,7 +252,20 @@ class LaneSend:
         try:
             return self._lane.copy(self)
         except _UseAgent:
-            return self._fallback.result()
+            pass
+        with self._lock:
+            if self.cancelled:
+                raise Aborted("the KV handoff was cancelled") from None
+            fallback = self._fallback = self._through_agent()
+        return fallback.result()
+
+    def settle(self) -> None:
+        """Tell this host's agent what the lane sent (it counts the bytes as its own)."""
+        if self.note is not None:
+            self._lane.note(self.note)
+            self.note = None
+        elif self._fallback is not None:
+            self._fallback.settle()
 
     def attach(self, sock: socket.socket | None) -> None:
         with self._lock:
@@ -256,10 +277,11 @@ class LaneSend:
     def cancel(self) -> None:
         with self._lock:
             self.cancelled = True
-            sock = self._sock
+            sock, fallback = self._sock, self._fallback
         if sock is not None:
             _hang_up(sock)  # wakes the thread waiting for the receiver's reply
-        self._fallback.cancel()
+        if fallback is not None:
+            fallback.cancel()
 
 
 def _hang_up(sock: socket.socket) -> None:

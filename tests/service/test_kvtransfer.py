@@ -194,12 +194,14 @@ def send(p: Pair, ticket: common_pb2.Ticket, src_pages: list[int], dst_pages: li
     if p.lane:
         src = src or p.src
         lane = src.lane(p.sender) if not src._lanes else src._lanes[0][1]
+        handoff = lane.send(ticket_from_pb(ticket), src.pool_id, src_pages,
+                            destination_from_pb(destination), timeout_ms / 1e3)
         try:
-            return report_to_pb(lane.send(ticket_from_pb(ticket), src.pool_id, src_pages,
-                                          destination_from_pb(destination),
-                                          timeout_ms / 1e3).result())
+            report = handoff.result()
         except ServiceError as exc:
             raise LaneError(exc) from None
+        handoff.settle()  # as a shipment does once the part is timed: the agent's note
+        return report_to_pb(report)
     return p.sender.stub.SendPages(kvtransfer_pb2.SendPagesRequest(
         ticket=ticket, src_pool_id=(src or p.src).pool_id, src_page_ids=src_pages,
         destination=destination, timeout_ms=timeout_ms), timeout=timeout_ms / 1e3 + 5).report

@@ -43,6 +43,7 @@ class FakeAgents:
     hold_sends: threading.Event | None = None
     sending: threading.Event = field(default_factory=threading.Event)
     fail_sends: ServiceError | None = None  # what every send raises (the decode side died)
+    settled: int = 0  # parts whose bookkeeping ran after they were timed (Handoff.settle)
 
     def register_pool(self, worker_id, fd, num_pages, page_bytes, fingerprint,
                       on_registered=None):
@@ -102,6 +103,9 @@ class FakeSend:
             self.agents.landed.add(self.ticket)
         return TransferReport(0.1, 0, len(part), "fake", 1, 0.1)
 
+    def settle(self) -> None:
+        self.agents.settled += 1
+
     def cancel(self) -> None:
         self.cancelled = True
 
@@ -156,6 +160,7 @@ def test_prefill_then_decode_is_token_exact_and_frees_every_page(pair, reference
         stats = worker.stats()
         assert stats.free_pages == stats.num_pages and stats.running_sequences == 0
     assert decode.stats().reserved_tickets == 0
+    assert agents.settled == sum(agents.parts.values())  # every part's bookkeeping ran
 
 
 def test_decode_refuses_a_handoff_that_did_not_land_and_frees_its_pages(pair, reference):
