@@ -75,9 +75,9 @@ def report(results: list[Row], cross_host: bool = False) -> str:
                      f"{r.raw_tcp_gb_s:>7.2f} {r.memcpy_gb_s:>7.2f} {r.vs_raw_tcp:>6.2f} "
                      f"{r.vs_memcpy:>9.2f}")
     lines.append("GB/s and ratios from medians; raw TCP: the best of its variants (socket "
-                 "buffers x write size); memcpy: the best of numpy whole, numpy in 8 MiB "
-                 f"slices, libc memcpy and streaming stores ({fastcopy.isa()}), one thread, "
-                 "pre-faulted destination")
+                 "buffers x write size x destination memory); memcpy: the best of numpy "
+                 "whole, numpy in 8 MiB slices, libc memcpy and streaming stores "
+                 f"({fastcopy.isa()}), one thread, pre-faulted destination")
     lines += bound_checks(results)
     lines += cross_host_targets(results) if cross_host else targets(results)
     return "\n".join(lines)

@@ -49,6 +49,8 @@ def test_raw_tcp_baseline_moves_the_bytes() -> None:
             samples.measure(raw, src, np.zeros(nbytes, dtype=np.uint8))
         median, variant, fastest = samples.raw_tcp(nbytes)
         assert variant in {v.name for v in VARIANTS}
+        # into anonymous memory and into a shared segment like a pool's (faster on some hosts)
+        assert {v.shared_dst for v in VARIANTS} == {False, True}
         assert 0 < median <= fastest
         assert all(len(times) == 3 for times in samples.raw_ms.values())
     finally:
