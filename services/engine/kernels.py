@@ -18,13 +18,12 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
-from pdserve.common.native import build_shared, kernels_dir, prebuild_main
+from pdserve.common.native import build_shared, compiler, kernels_dir, prebuild_main
 from pdserve.common.native import cpu_flags as _cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
@@ -42,8 +41,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _build(compiler: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    build_shared(compiler, SOURCE, target, flags, libs=("-lmvec", "-lm"))
+def _build(cc: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
+    build_shared(cc, SOURCE, target, flags, libs=("-lmvec", "-lm"))
 
 
 def _portable_name(level: str) -> str:
@@ -60,13 +59,13 @@ def _prebuilt(directory: Path) -> Path | None:
     return None
 
 
-def prebuild(directory: Path, compiler: str = "cc") -> list[Path]:
+def prebuild(directory: Path, cc: str = "cc") -> list[Path]:
     """Portable builds of the kernel, one per ISA level, for machines with no compiler."""
     built = []
     for level, _ in PORTABLE_LEVELS:
         flags = tuple(f"-march={level}" if f == "-march=native" else f for f in FLAGS)
         target = directory / _portable_name(level)
-        _build(compiler, target, flags)
+        _build(cc, target, flags)
         built.append(target)
     return built
 
@@ -80,10 +79,10 @@ def library() -> ctypes.CDLL | None:
     _tried = True
     if os.environ.get("PDSERVE_NO_NATIVE_ATTENTION"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     kernels = kernels_dir()
-    if compiler:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
+    if cc:
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cc.encode()
                              + _cpu_flags().encode()).hexdigest()[:16]
         target = kernels / f"paged_attention-{key}.so"
     else:
@@ -94,8 +93,8 @@ def library() -> ctypes.CDLL | None:
             return None
         target = found
     try:
-        if compiler and not target.is_file():
-            _build(compiler, target)
+        if cc and not target.is_file():
+            _build(cc, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc

@@ -63,7 +63,7 @@ def test_a_portable_prebuilt_kernel_is_used_where_there_is_no_compiler(lib, tmp_
         == [True, True]
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_lib", None)
     portable = kernels.library()
