@@ -183,7 +183,10 @@ class WorkerPool:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
-            self.check_now()
+            try:
+                self.check_now()
+            except Exception:  # a checker that stops would freeze membership: never
+                log.exception("worker health check round failed; checking again")
             with self._lock:
                 all_healthy = all(w.healthy for w in self._workers.values() if w.member)
             # A worker that is down (or still starting) is looked at again soon, so it joins
@@ -195,11 +198,11 @@ class WorkerPool:
         """One round: health Check and Stats of every member, in parallel, bounded."""
         with self._lock:
             workers = [w for w in self._workers.values() if w.member]
-        checks = [w.health.Check.future(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-                  for w in workers]
-        stats = [w.stub.Stats.future(common_pb2.StatsRequest(), timeout=self.timeout_s)
-                 for w in workers]
-        for worker, check, stat in zip(workers, checks, stats):
+        calls = [self._ask(w) for w in workers]
+        for worker, call in zip(workers, calls):
+            if call is None:
+                continue
+            check, stat = call
             try:
                 healthy, error = check.result().status == _SERVING, "not SERVING"
             except grpc.RpcError as exc:
@@ -218,6 +221,17 @@ class WorkerPool:
                 worker.last_error = "" if healthy else error
                 if fresh is not None:
                     worker.stats = fresh
+
+    def _ask(self, worker: Worker) -> tuple[grpc.Future, grpc.Future] | None:
+        """Start `worker`'s health Check and Stats calls; None when its channel was closed
+        since the round's snapshot (it left and its last call ended meanwhile)."""
+        try:
+            return (worker.health.Check.future(health_pb2.HealthCheckRequest(),
+                                               timeout=self.timeout_s),
+                    worker.stub.Stats.future(common_pb2.StatsRequest(), timeout=self.timeout_s))
+        except ValueError:  # grpc: "Cannot invoke RPC: Channel closed!"
+            log.debug("%s worker %s left during a check round", worker.role, worker.address)
+            return None
 
     def close(self) -> None:
         """Stop checking and close every channel."""

@@ -184,6 +184,48 @@ def test_workers_join_and_leave_under_load_and_no_request_is_lost(tok, workers):
     assert (counts["decode"].joins, counts["decode"].leaves) == (3, 1)
 
 
+class LeavesWhenChecked:
+    """A health stub whose first Check retires its worker and closes its channel before the
+    call goes out: the interleaving a check round meets when a worker leaves (and its last
+    call ends) between the round's snapshot of the members and its calls to them."""
+
+    def __init__(self, pool: WorkerPool, worker, stay: list[str]):
+        self.pool, self.worker, self.stay, self.real = pool, worker, stay, worker.health
+        self.fired = threading.Event()
+
+    @property
+    def Check(self):
+        if not self.fired.is_set():
+            self.fired.set()
+            self.pool.set_members("decode", self.stay)
+            self.worker.channel.close()
+        return self.real.Check
+
+
+def test_a_worker_leaving_during_a_check_round_does_not_stop_the_checks(workers):
+    """A CI failure: the checker thread died on "Cannot invoke RPC: Channel closed!" when
+    a worker's channel closed inside a round, so a worker that came back (or joined) later
+    was never checked and never used. The round skips the gone worker and goes on."""
+    d0, d1 = workers["d0"][0], workers["d1"][0]
+    pool = WorkerPool(prefill=[workers["p0"][0]], decode=[d0], interval_s=0.2)
+    try:
+        leaving = pool._workers[("decode", d0)]
+        trap = LeavesWhenChecked(pool, leaving, stay=[d1])
+        leaving.health = trap
+        pool.start()
+        assert wait_for(trap.fired.is_set, timeout_s=10)
+        # The newcomer is checked (so the checker lives), and d0 comes back and is checked.
+        assert wait_for(lambda: pool.ready() and pool.counts()["decode"].healthy == 1,
+                        timeout_s=10), pool.counts()
+        assert [w.address for w in pool._workers.values() if w.role == "decode"] == [d1]
+        pool.set_members("decode", [d0, d1])
+        assert wait_for(lambda: pool.counts()["decode"].healthy == 2, timeout_s=10), \
+            pool.counts()
+        assert pool._thread is not None and pool._thread.is_alive()
+    finally:
+        pool.close()
+
+
 def test_router_process_discovers_workers_through_the_system_resolver(tmp_path, tok):
     """`--prefill dns:///localhost:P`: every address record of localhost is a worker (on
     machines that also map ::1 to localhost, the one nobody listens on stays unhealthy)."""
