@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.common import failpoints
 from pdserve.common.kv.errors import BadRequest, StaleEpoch, cause
-from pdserve.common.kv.runs import check_page_ids, expand
+from pdserve.common.kv.runs import check_page_ids, check_spans
 from pdserve.common.kv.wire import WriteHeader, expect_same
 from pdserve.kvtransfer.transport import IncomingWrite
 
@@ -49,11 +49,11 @@ class AgentSink:
             raise BadRequest(f"page_bytes: source {header.page_bytes} != destination "
                              f"{pool.page_bytes}")
         try:
-            page_ids = expand(header.dst_runs)
+            check_spans(header.dst_runs, pool.num_pages, "destination pages")
         except ValueError as exc:
-            raise BadRequest(f"destination runs: {exc}") from None
-        check_pages(page_ids, pool.num_pages, "destination pages")
-        exp = agent.tickets.begin_write(header.ticket, pool.pool_id, page_ids)
+            raise BadRequest(str(exc) if "destination pages" in str(exc)
+                             else f"destination runs: {exc}") from None
+        exp = agent.tickets.begin_write(header.ticket, pool.pool_id, spans=header.dst_runs)
         failpoints.hit("kv.receive", header.ticket.request_id)
         views = [pool.pages(start, n) for start, n in header.dst_runs]
         return IncomingWrite(header, views, exp.abort, exp)

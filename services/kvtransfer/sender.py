@@ -26,7 +26,7 @@ from pdserve.common.kv.errors import (
     TransportMismatch,
     cause,
 )
-from pdserve.common.kv.runs import PageRun, coalesce
+from pdserve.common.kv.runs import PageRun, check_spans, coalesce
 from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
 from pdserve.common.logs import outcome
 from pdserve.common.tickets import TicketKey
@@ -70,13 +70,16 @@ class Sender:
         pool = self._agent.pool(src_pool_id)
         if not src_page_ids:
             raise BadRequest("src_page_ids is empty")
-        check_pages(src_page_ids, pool.num_pages, "src_page_ids")
-        if dest.fingerprint is not None:
-            expect_same(pool.fingerprint, dest.fingerprint, "source", "destination")
         try:
             runs = coalesce(src_page_ids, dest.page_ids)
+            # coalesce refused repeats: the source pages' check is a few spans' bounds
+            check_spans([(r.src_start, r.num_pages) for r in runs], pool.num_pages,
+                        "src_page_ids")
         except ValueError as exc:
+            check_pages(src_page_ids, pool.num_pages, "src_page_ids")  # names a bad page
             raise BadRequest(f"src_page_ids / destination.page_ids: {exc}") from None
+        if dest.fingerprint is not None:
+            expect_same(pool.fingerprint, dest.fingerprint, "source", "destination")
         if len(runs) > MAX_RUNS:
             raise BadRequest(f"{len(runs)} separate runs in one handoff (limit {MAX_RUNS})")
         header = WriteHeader(

@@ -32,6 +32,7 @@ from pdserve.common.kv.errors import (
     TransferTimeout,
     UnknownTicket,
 )
+from pdserve.common.kv.runs import expand, spans_of
 from pdserve.common.tickets import TicketKey
 
 
@@ -55,12 +56,17 @@ class Expectation:
     forget_at: float = float("inf")
     writing: bool = False  # a write is in flight (its transport holds views of the pages)
     abort: threading.Event = field(default_factory=threading.Event)
-    landed: set[int] = field(default_factory=set)  # pages whose write completed
+    landed: frozenset[int] = frozenset()  # pages whose write completed
     writing_pages: frozenset[int] = frozenset()  # the pages of the write in flight
     reserved: frozenset[int] = field(init=False)  # page_ids as a set, for each write's check
+    spans: tuple[tuple[int, int], ...] = field(init=False)  # page_ids as (start, n) spans
 
     def __post_init__(self) -> None:
         self.reserved = frozenset(self.page_ids)
+        # A write of exactly these spans before anything landed is the whole handoff in one
+        # (the usual case): accepted by one tuple compare instead of set work per page.
+        self.spans = spans_of(self.page_ids) if len(self.reserved) == len(self.page_ids) \
+            else ()
 
     @property
     def complete(self) -> bool:
@@ -105,9 +111,11 @@ class TicketBook:
                 exp.landed, exp.kv_bytes = old.landed, old.kv_bytes
             self._tickets[key] = exp
 
-    def begin_write(self, key: TicketKey, pool_id: str, page_ids: Sequence[int]) -> Expectation:
+    def begin_write(self, key: TicketKey, pool_id: str, page_ids: Sequence[int] = (), *,
+                    spans: Sequence[tuple[int, int]] = ()) -> Expectation:
         """Accept a write of `page_ids` (all the reserved pages, or some that have not landed
-        yet) into `pool_id` for `key`: EXPECTED -> WRITING."""
+        yet) into `pool_id` for `key`: EXPECTED -> WRITING. The pages may come as `spans`
+        instead ((start, n), checked in the pool and not overlapping by the caller)."""
         with self._cond:
             exp = self._live(key)
             if exp.state is not State.EXPECTED:
@@ -115,6 +123,11 @@ class TicketBook:
             if pool_id != exp.pool_id:
                 raise BadRequest(f"ticket {key} reserved pages in pool {exp.pool_id}, "
                                  f"not {pool_id}")
+            if spans and tuple(spans) == exp.spans and not exp.landed:
+                exp.state, exp.writing, exp.writing_pages = State.WRITING, True, exp.reserved
+                return exp
+            if spans:
+                page_ids = expand(spans)
             pages = frozenset(page_ids)
             if not pages or not pages <= exp.reserved:
                 raise BadRequest(f"ticket {key}: pages {_short(sorted(page_ids))} are not the "
@@ -138,7 +151,8 @@ class TicketBook:
                 return
             exp.state = State.EXPECTED  # failed: pages may hold part of it; a retry overwrites
             if ok:
-                exp.landed |= exp.writing_pages
+                exp.landed = exp.landed | exp.writing_pages if exp.landed else \
+                    exp.writing_pages
                 exp.kv_bytes += kv_bytes
                 if len(exp.landed) == len(exp.page_ids):
                     exp.state = State.COMPLETE

@@ -5,7 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from pdserve.common.kv.runs import PageRun, check_page_ids, coalesce, expand
+from pdserve.common.kv.runs import (
+    PageRun,
+    check_page_ids,
+    check_spans,
+    coalesce,
+    expand,
+    spans_of,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -95,3 +102,44 @@ def test_ascending_runs_take_the_fast_path_and_keep_every_check() -> None:
     assert coalesce(list(range(3, 7)), [9, 10, 11, 13]) == [PageRun(3, 9, 3), PageRun(6, 13, 1)]
     with pytest.raises(ValueError, match="destination page ids repeat"):
         coalesce([1, 2, 3], [4, 4, 5])
+
+
+def test_spans_are_checked_as_their_pages_are() -> None:
+    """`check_spans` refuses exactly what `check_page_ids` refuses for the same pages, with
+    the same message shape, over seeded random span lists (some overlapping, some outside)."""
+    rng = random.Random(7)
+    for _ in range(CASES):
+        num_pages = rng.randint(1, 64)
+        spans = [(rng.randint(-2, num_pages), rng.randint(1, 8)) for _ in range(rng.randint(1, 4))]
+        pages = expand(spans)
+        try:
+            check_page_ids(pages, num_pages, "x")
+            expected = ""
+        except ValueError as exc:
+            expected = "outside" if "outside" in str(exc) else "twice"
+        try:
+            check_spans(spans, num_pages, "x")
+            found = ""
+        except ValueError as exc:
+            assert str(exc).startswith("x: page ")
+            found = "outside" if "outside" in str(exc) else "twice"
+        assert bool(found) == bool(expected), (spans, num_pages)
+        if expected == "outside":  # an overlap inside the pool is only found when in bounds
+            assert found == "outside", (spans, num_pages)
+    with pytest.raises(ValueError, match="a run of 0 pages at page 3"):
+        check_spans([(3, 0)], 10, "x")
+    with pytest.raises(ValueError, match="x: page 10 is outside the pool"):
+        check_spans([(8, 3)], 10, "x")
+    with pytest.raises(ValueError, match="x: page 5 appears twice"):
+        check_spans([(2, 4), (5, 1)], 10, "x")
+
+
+def test_spans_of_lists_consecutive_ids_in_their_order() -> None:
+    assert spans_of([]) == ()
+    assert spans_of(list(range(3, 9))) == ((3, 6),)
+    assert spans_of((3, 4, 5)) == ((3, 3),)
+    assert spans_of([7, 8, 2, 3, 4, 9]) == ((7, 2), (2, 3), (9, 1))
+    rng = random.Random(3)
+    for _ in range(CASES):
+        src, _, _ = random_handoff(rng)
+        assert expand(spans_of(src)) == src

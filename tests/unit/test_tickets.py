@@ -62,3 +62,28 @@ def test_a_cancel_waits_for_the_part_in_flight_and_closes_the_ticket() -> None:
         book.expect(other, "pool", [7, 8], lease_s=10)
         book.finish_write(book.begin_write(other, "pool", [7]), True, 100)
         book.expect(other, "pool", [7, 9], lease_s=10)
+
+
+def test_a_write_given_as_spans_lands_like_one_given_as_pages() -> None:
+    """Agents hand the book a write's destination runs: exactly the reserved spans before
+    anything landed is the whole handoff (one compare, no per-page sets); any other spans are
+    checked page by page, with the same refusals."""
+    book = TicketBook()
+    book.expect(KEY, "pool", [4, 5, 6, 9, 10], lease_s=10)
+    whole = book.begin_write(KEY, "pool", spans=((4, 3), (9, 2)))
+    assert whole.writing_pages == {4, 5, 6, 9, 10}
+    book.finish_write(whole, True, 500)
+    assert book.status(KEY).complete
+    with pytest.raises(TicketBusy, match="already landed"):
+        book.begin_write(KEY, "pool", spans=((4, 3), (9, 2)))
+
+    other = TicketKey("s", 1)
+    book.expect(other, "pool", [4, 5, 6, 9, 10], lease_s=10)
+    with pytest.raises(BadRequest, match="not the pages reserved"):
+        book.begin_write(other, "pool", spans=((5, 3),))
+    book.finish_write(book.begin_write(other, "pool", spans=((9, 2),)), True, 200)
+    with pytest.raises(TicketBusy, match=r"pages \[9, 10\] .* have already landed"):
+        book.begin_write(other, "pool", spans=((4, 3), (9, 2)))  # the reserved spans, late
+    book.finish_write(book.begin_write(other, "pool", spans=((4, 3),)), True, 300)
+    status = book.status(other)
+    assert status.complete and status.kv_bytes == 500

@@ -75,9 +75,48 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun
 
 def _ascending_run(pages: Sequence[int]) -> bool:
     """`pages` is first, first + 1, ... (no page twice, by construction)."""
-    first = pages[0]
-    return pages[-1] - first == len(pages) - 1 and list(pages) == list(
-        range(first, first + len(pages)))
+    first, n = pages[0], len(pages)
+    if pages[-1] - first != n - 1:
+        return False
+    if isinstance(pages, list):  # compared in C, without copying `pages` first
+        return pages == list(range(first, first + n))
+    if isinstance(pages, tuple):
+        return pages == tuple(range(first, first + n))
+    return list(pages) == list(range(first, first + n))
+
+
+def spans_of(page_ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """`page_ids` as (start, num_pages) spans of consecutive ids, in their order."""
+    if not page_ids:
+        return ()
+    if _ascending_run(page_ids):
+        return ((page_ids[0], len(page_ids)),)
+    spans: list[tuple[int, int]] = []
+    start, length = page_ids[0], 1
+    for page in page_ids[1:]:
+        if page == start + length:
+            length += 1
+            continue
+        spans.append((start, length))
+        start, length = page, 1
+    spans.append((start, length))
+    return tuple(spans)
+
+
+def check_spans(spans: Sequence[tuple[int, int]], num_pages: int, what: str) -> None:
+    """`check_page_ids` of the pages of (start, num_pages) spans, without listing them (a
+    handoff's runs are a few spans of up to thousands of pages): ValueError naming `what`
+    unless every span is non-empty, inside [0, num_pages), and no two overlap."""
+    for start, n in spans:
+        if n <= 0:
+            raise ValueError(f"a run of {n} pages at page {start}")
+        if start < 0 or start + n > num_pages:
+            page = start if start < 0 else max(start, num_pages)
+            raise ValueError(f"{what}: page {page} is outside the pool (0..{num_pages - 1})")
+    ordered = sorted(spans)
+    for (a, n), (b, _) in zip(ordered, ordered[1:]):
+        if b < a + n:
+            raise ValueError(f"{what}: page {b} appears twice")
 
 
 def expand(spans: Sequence[tuple[int, int]]) -> list[int]:
