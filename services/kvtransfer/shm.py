@@ -220,6 +220,7 @@ class ShmReceiver:
     def _copy(self, header: WriteHeader, src: np.ndarray, runs: list[tuple[int, int]]) -> None:
         sink = self._sink()
         write = sink.accept(header)  # nothing is written unless this returns
+        total = header.kv_bytes  # the handoff's size picks the copy (streamed when big)
         ok = False
         try:
             for (start, _), dst in zip(runs, write.dst_views):
@@ -228,7 +229,7 @@ class ShmReceiver:
                     if write.abort.is_set():
                         raise _Aborted()
                     stop = min(at + COPY_SLICE_BYTES, dst.size)
-                    fastcopy.copy(dst[at:stop], src[offset + at:offset + stop], header.kv_bytes)
+                    fastcopy.copy(dst[at:stop], src[offset + at:offset + stop], total)
             ok = True
         except _Aborted:
             pass

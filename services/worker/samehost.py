@@ -22,6 +22,7 @@ reply), and this worker's kv.send span stands in for the agent's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -87,12 +88,13 @@ class SameHostLane:
 
     def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
              destination: Destination, timeout_s: float) -> Send | LaneSend:
+        through_agent = functools.partial(self._agent.send, ticket, src_pool_id, src_page_ids,
+                                          destination, timeout_s)
         route = self.route(destination)
         if route is None:
-            return self._agent.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
-        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s,
-                        lambda: self._agent.send(ticket, src_pool_id, src_page_ids, destination,
-                                                 timeout_s))  # made only if the lane cannot
+            return through_agent()
+        # The agent's request is made only if the lane cannot take the part.
+        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, through_agent)
 
     def route(self, dest: Destination) -> Route | None:
         """The lane to the destination's agent, or None (send through this host's agent)."""
