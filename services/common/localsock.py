@@ -27,6 +27,7 @@ _FRAME = struct.Struct("<II")
 MAX_JSON_BYTES = 1 << 24
 MAX_PAYLOAD_BYTES = 1 << 24
 MAX_FDS = 4
+_REPLY_READ_BYTES = 1 << 16  # a reply's first read (the usual reply: tens of bytes)
 
 
 class Closed(ConnectionError):
@@ -101,8 +102,8 @@ def check_peer(sock: socket.socket) -> None:
 def send(sock: socket.socket, message: dict[str, Any], payload: bytes = b"",
          fds: tuple[int, ...] = ()) -> None:
     """One frame; `fds` travel with its first bytes."""
-    body = json.dumps(message, separators=(",", ":")).encode()
-    data = _FRAME.pack(len(body), len(payload)) + body + payload
+    body = json.dumps(message, separators=(",", ":")).encode() if message else b"{}"
+    data = _FRAME.pack(len(body), len(payload)) + body + payload  # one write when it fits
     if fds:
         sent = socket.send_fds(sock, [data], list(fds))
         data = data[sent:]
@@ -137,21 +138,53 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    if n <= 0:
+        return b""
+    data = sock.recv(n, socket.MSG_WAITALL)  # usually all of it at once
+    if len(data) == n:
+        return data
+    chunks, got = [data], len(data)
     while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
+        if not data:
             raise Closed("connection closed by the peer in the middle of a message")
-        got += k
-    return bytes(buf)
+        data = sock.recv(n - got)
+        chunks.append(data)
+        got += len(data)
+    return b"".join(chunks)
+
+
+def recv_reply(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    """The reply to the request just sent on `sock`: (message, payload). The peer sends
+    nothing else meanwhile, so one read takes the whole frame (the next syscall the caller
+    makes is its next request): a reply comes back in one system call, not three. Descriptors
+    in a reply are dropped by the kernel (a reply never carries any). TimeoutError only when
+    nothing of the reply arrived within the socket's timeout; Closed at end of stream, or
+    when the reply stops in the middle."""
+    data = sock.recv(_REPLY_READ_BYTES)
+    if not data:
+        raise Closed("connection closed by the peer")
+    try:
+        if len(data) < _FRAME.size:
+            data += _recv_exactly(sock, _FRAME.size - len(data))
+        body_len, payload_len = _FRAME.unpack_from(data)
+        if body_len > MAX_JSON_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"frame too large ({body_len} + {payload_len} bytes)")
+        end = _FRAME.size + body_len + payload_len
+        if len(data) < end:
+            data += _recv_exactly(sock, end - len(data))
+    except TimeoutError:
+        raise Closed("the reply stopped in the middle") from None
+    if len(data) > end:
+        raise ValueError("the peer sent more than one reply")
+    body = data[_FRAME.size:_FRAME.size + body_len]
+    message = {} if body == b"{}" else json.loads(body)
+    if not isinstance(message, dict):
+        raise ValueError("a frame's message must be a JSON object")
+    return message, data[_FRAME.size + body_len:]
 
 
 def call(sock: socket.socket, message: dict[str, Any], payload: bytes = b"",
          fds: tuple[int, ...] = ()) -> tuple[dict[str, Any], bytes]:
-    """Send one request and read its reply (a reply carrying fds is refused)."""
+    """Send one request and read its reply (descriptors in a reply are dropped)."""
     send(sock, message, payload, fds)
-    reply, body, got = recv(sock)
-    for fd in got:
-        os.close(fd)
-    return reply, body
+    return recv_reply(sock)

@@ -70,3 +70,48 @@ def test_the_same_host_receiver_refuses_what_it_cannot_map() -> None:
         with pytest.raises(OSError):
             os.fstat(fd)  # closed by the receiver
     receiver.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_reply_is_read_whole_in_one_read_or_in_pieces() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        localsock.send(a, {}, b"")
+        assert localsock.recv_reply(b) == ({}, b"")
+        localsock.send(a, {"error": "BadRequest", "message": "é"}, b"tail")
+        assert localsock.recv_reply(b) == ({"error": "BadRequest", "message": "é"}, b"tail")
+        frame = b"\x0b\x00\x00\x00\x00\x00\x00\x00" + b'{"ok":true}'
+        writer = threading.Thread(target=lambda: [a.sendall(frame[:3]), a.sendall(frame[3:])])
+        writer.start()  # the head cut in two: the rest is waited for
+        assert localsock.recv_reply(b) == ({"ok": True}, b"")
+        writer.join()
+
+
+def test_a_reply_that_stops_in_the_middle_or_comes_twice_is_refused() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        b.settimeout(0.05)
+        with pytest.raises(TimeoutError):  # nothing yet: the caller may check its peer
+            localsock.recv_reply(b)
+        localsock.send(a, {"n": 1})
+        localsock.send(a, {"n": 2})
+        with pytest.raises(ValueError, match="more than one reply"):
+            localsock.recv_reply(b)
+        a.sendall(b"\x20\x00\x00\x00\x00\x00\x00\x00{")  # 32 bytes announced, 1 sent
+        with pytest.raises(localsock.Closed, match="stopped in the middle"):
+            localsock.recv_reply(b)
+        a.close()
+        with pytest.raises(localsock.Closed):
+            localsock.recv_reply(b)
+
+
+def test_descriptors_in_a_reply_are_dropped_not_leaked() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b, SharedSegment.create(4096) as segment:
+        before = _open_fds()
+        localsock.send(a, {"x": 1}, b"", (segment.fd, segment.fd))
+        assert localsock.recv_reply(b) == ({"x": 1}, b"")
+        assert _open_fds() == before

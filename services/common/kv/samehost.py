@@ -5,8 +5,6 @@ prefill worker's own same-host lane (pdserve.worker.samehost)."""
 
 from __future__ import annotations
 
-import os
-import select
 import socket
 import time
 from collections.abc import Callable
@@ -84,11 +82,8 @@ def wait_reply(sock: Any, deadline: float, liveness: Callable[[], None]) -> dict
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TransferTimeout("timed out waiting for the same-host copy")
-        readable, _, _ = select.select([sock], [], [], min(LIVENESS_INTERVAL_S, remaining))
-        if readable:
-            sock.settimeout(max(1.0, remaining))
-            reply, _, fds = localsock.recv(sock)
-            for fd in fds:
-                os.close(fd)
-            return reply
-        liveness()
+        sock.settimeout(min(LIVENESS_INTERVAL_S, remaining))
+        try:
+            return localsock.recv_reply(sock)[0]
+        except TimeoutError:  # nothing of the reply yet: is the peer still there?
+            liveness()
