@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,29 @@ def copy(dst: np.ndarray, src: np.ndarray, total_bytes: int) -> None:
         stream_copy(dst, src)
     else:
         np.copyto(dst, src)
+
+
+def copy_in_slices(dst: np.ndarray, src: np.ndarray, total_bytes: int, slice_bytes: int,
+                   stop: Callable[[], bool]) -> bool:
+    """`copy` of one piece of a handoff of `total_bytes`, `slice_bytes` at a time, asking
+    `stop()` before each slice; False when it stopped early (dst then holds part of src).
+    Contiguous uint8 arrays of one size that do not overlap. The slices' addresses are worked
+    out here, not by slicing arrays: this runs on a handoff's critical path."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    lib = library() if total_bytes >= STREAM_MIN_BYTES else None
+    if lib is None or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        for at in range(0, dst.nbytes, slice_bytes):
+            if stop():
+                return False
+            np.copyto(dst[at:at + slice_bytes], src[at:at + slice_bytes])
+        return True
+    d, s, n = dst.ctypes.data, src.ctypes.data, dst.nbytes
+    for at in range(0, n, slice_bytes):
+        if stop():
+            return False
+        lib.pdserve_stream_copy(d + at, s + at, min(slice_bytes, n - at))
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -174,18 +174,32 @@ class AgentMetrics:
         self.failures = Counter("pdserve_kv_transfer_failures", "handoffs that failed, by cause "
                                 "and direction", ("cause", "direction"), registry=r)
 
+        # (transport, direction, peer) -> its two counters: each handoff counts itself on its
+        # critical path, where labels()' checks and lock cost more than the counting
+        self._moved: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def _counters(self, transport: str, direction: str, peer: str) -> tuple[Any, Any]:
+        key = (transport, direction, peer or UNKNOWN_PEER)
+        counters = self._moved.get(key)
+        if counters is None:
+            counters = self._moved[key] = (self.transfer_bytes.labels(*key),
+                                           self.transfer_pages.labels(*key))
+        return counters
+
     def sent(self, transport: str, kv_bytes: int, kv_pages: int, handoff_s: float,
              peer: str = UNKNOWN_PEER) -> None:
-        self.transfer_bytes.labels(transport, "send", peer or UNKNOWN_PEER).inc(kv_bytes)
-        self.transfer_pages.labels(transport, "send", peer or UNKNOWN_PEER).inc(kv_pages)
+        moved_bytes, moved_pages = self._counters(transport, "send", peer)
+        moved_bytes.inc(kv_bytes)
+        moved_pages.inc(kv_pages)
         self.handoff.labels(transport).observe(handoff_s)
         if handoff_s > 0:
             self.throughput.labels(transport).observe(kv_bytes / handoff_s / 1e9)
 
     def received(self, transport: str, kv_bytes: int, kv_pages: int,
                  peer: str = UNKNOWN_PEER) -> None:
-        self.transfer_bytes.labels(transport, "receive", peer or UNKNOWN_PEER).inc(kv_bytes)
-        self.transfer_pages.labels(transport, "receive", peer or UNKNOWN_PEER).inc(kv_pages)
+        moved_bytes, moved_pages = self._counters(transport, "receive", peer)
+        moved_bytes.inc(kv_bytes)
+        moved_pages.inc(kv_pages)
 
     def failed(self, cause: str, direction: str) -> None:
         self.failures.labels(cause, direction).inc()

@@ -124,9 +124,11 @@ class Sender:
                 header = replace(header, grant=a.peers.grant(
                     dest.agent_address, header.ticket, a.contact.ucx_worker_address))
             try:
+                # a grant is bound to the reply_to it was asked for; without one, the
+                # same-host copy has no use for it (and replace() costs on this path)
                 if a.shm is not None and a.shm.usable(peer) and self._send_same_host(
-                        peer, replace(header, reply_to=a.contact.ucx_worker_address), pool,
-                        runs, deadline):
+                        peer, replace(header, reply_to=a.contact.ucx_worker_address)
+                        if a.ask_grants else header, pool, runs, deadline):
                     return "shm", peer.agent_id
                 if peer.transport != a.transport.name:
                     raise TransportMismatch(

@@ -175,7 +175,7 @@ class ShmReceiver:
 
     def __init__(self, sink: Callable[[], WriteSink]):
         self._sink = sink
-        self._maps: dict[str, SharedSegment] = {}
+        self._maps: dict[str, _Mapped] = {}
 
     def write(self, message: dict[str, Any], payload: bytes, fds: list[int]) -> dict[str, Any]:
         """Serve one shm_write; returns the reply (an error reply names the refusal)."""
@@ -187,20 +187,20 @@ class ShmReceiver:
                     os.close(fd)
                 raise
             src = self._source(message, fds, header.page_bytes)
-            runs = _runs(message, header)
-            self._copy(header, src, runs)
+            runs = _runs(message, header, src.num_pages)
+            self._copy(header, src.data, runs)
             return {}
         except KvTransferError as exc:
             return {"error": type(exc).__name__, "message": exc.message}
 
-    def _source(self, message: dict[str, Any], fds: list[int], page_bytes: int) -> np.ndarray:
+    def _source(self, message: dict[str, Any], fds: list[int], page_bytes: int) -> _Mapped:
         key = str(message.get("src_pool", ""))
         if fds:
             for fd in fds[1:]:
                 os.close(fd)
             old = self._maps.pop(key, None)
             if old is not None:
-                old.close()
+                old.segment.close()
             try:
                 num_pages = int(message["src_num_pages"])
             except (KeyError, ValueError, TypeError):
@@ -211,28 +211,25 @@ class ShmReceiver:
             except KvTransferError as exc:
                 raise SegmentUnavailable(f"the sender's pool cannot be mapped here: "
                                          f"{exc.message}") from None
-            self._maps[key] = segment
-            _prefault_in_background(np.frombuffer(segment.buffer, dtype=np.uint8))
-        if key not in self._maps:
+            self._maps[key] = _Mapped(segment, num_pages)
+            _prefault_in_background(self._maps[key].data)
+        found = self._maps.get(key)
+        if found is None:
             raise SegmentUnavailable(f"pool {key!r} was never mapped on this connection")
-        return np.frombuffer(self._maps[key].buffer, dtype=np.uint8)
+        return found
 
     def _copy(self, header: WriteHeader, src: np.ndarray, runs: list[tuple[int, int]]) -> None:
         sink = self._sink()
         write = sink.accept(header)  # nothing is written unless this returns
         total = header.kv_bytes  # the handoff's size picks the copy (streamed when big)
-        ok = False
+        ok = True
         try:
             for (start, _), dst in zip(runs, write.dst_views):
                 offset = start * header.page_bytes
-                for at in range(0, dst.size, COPY_SLICE_BYTES):
-                    if write.abort.is_set():
-                        raise _Aborted()
-                    stop = min(at + COPY_SLICE_BYTES, dst.size)
-                    fastcopy.copy(dst[at:stop], src[offset + at:offset + stop], total)
-            ok = True
-        except _Aborted:
-            pass
+                ok = fastcopy.copy_in_slices(dst, src[offset:offset + dst.size], total,
+                                             COPY_SLICE_BYTES, write.abort.is_set)
+                if not ok:
+                    break
         except BaseException:
             sink.finish(write, False)
             raise
@@ -243,22 +240,30 @@ class ShmReceiver:
     def close(self) -> None:
         """Unmap every sender pool mapped on this connection (no copy is running: the
         connection's one thread calls this)."""
-        for segment in self._maps.values():
-            segment.close()
+        for mapped in self._maps.values():
+            mapped.segment.close()
         self._maps.clear()
 
 
-class _Aborted(Exception):
-    pass
+class _Mapped:
+    """A sender's pool mapped on one connection: the segment, its bytes, its page count."""
+
+    def __init__(self, segment: SharedSegment, num_pages: int):
+        self.segment = segment
+        self.data = np.frombuffer(segment.buffer, dtype=np.uint8)
+        self.num_pages = num_pages
 
 
-def _runs(message: dict[str, Any], header: WriteHeader) -> list[tuple[int, int]]:
+def _runs(message: dict[str, Any], header: WriteHeader, num_pages: int
+          ) -> list[tuple[int, int]]:
+    """The write's source runs, checked against the destination runs and the sender's pool
+    as it was mapped (`num_pages`)."""
     try:
         runs = [(int(a), int(b)) for a, b in message["src_runs"]]
-        num_pages = int(message["src_num_pages"])
     except (KeyError, ValueError, TypeError) as exc:
         raise BadRequest(f"malformed same-host write: {exc}") from None
-    if [n for _, n in runs] != [n for _, n in header.dst_runs]:
+    if len(runs) != len(header.dst_runs) or any(
+            n != m for (_, n), (_, m) in zip(runs, header.dst_runs)):
         raise BadRequest("source runs do not match the destination runs")
     for start, n in runs:
         if start < 0 or n <= 0 or start + n > num_pages:

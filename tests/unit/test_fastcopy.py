@@ -79,3 +79,22 @@ def test_without_compiler_or_prebuilt_build_copies_fall_back_to_numpy(fresh, mon
 def test_it_can_be_turned_off(fresh, monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_NO_NATIVE_COPY", "1")
     assert fastcopy.library() is None and fastcopy.isa() == "numpy"
+
+
+@pytest.mark.parametrize("total", [1 << 10, fastcopy.STREAM_MIN_BYTES])  # cached, streamed
+def test_a_copy_in_slices_is_exact_and_stops_between_slices_when_asked(total) -> None:
+    rng = np.random.default_rng(total)
+    src = rng.integers(0, 256, 10_000 + 3, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    assert fastcopy.copy_in_slices(dst, src, total, 4096, lambda: False)
+    assert np.array_equal(dst, src)
+    asked = []
+
+    def stop_at_third() -> bool:
+        asked.append(1)
+        return len(asked) == 3
+    dst[:] = 0
+    assert not fastcopy.copy_in_slices(dst, src, total, 4096, stop_at_third)
+    assert np.array_equal(dst[:8192], src[:8192]) and not dst[8192:].any()  # two slices, no more
+    with pytest.raises(ValueError, match="copy of 10003 bytes into 10002"):
+        fastcopy.copy_in_slices(dst[1:], src, total, 4096, lambda: False)
