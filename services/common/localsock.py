@@ -123,13 +123,9 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
         if not head:
             raise Closed("connection closed by the peer")
         head += _recv_exactly(sock, _FRAME.size - len(head))
-        body_len, payload_len = _FRAME.unpack(head)
-        if body_len > MAX_JSON_BYTES or payload_len > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"frame too large ({body_len} + {payload_len} bytes)")
+        body_len, payload_len = _sizes(head)
         body = _recv_exactly(sock, body_len + payload_len)
-        message = json.loads(body[:body_len])
-        if not isinstance(message, dict):
-            raise ValueError("a frame's message must be a JSON object")
+        message = _message(body[:body_len])
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -166,9 +162,7 @@ def recv_reply(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     try:
         if len(data) < _FRAME.size:
             data += _recv_exactly(sock, _FRAME.size - len(data))
-        body_len, payload_len = _FRAME.unpack_from(data)
-        if body_len > MAX_JSON_BYTES or payload_len > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"frame too large ({body_len} + {payload_len} bytes)")
+        body_len, payload_len = _sizes(data)
         end = _FRAME.size + body_len + payload_len
         if len(data) < end:
             data += _recv_exactly(sock, end - len(data))
@@ -176,11 +170,22 @@ def recv_reply(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
         raise Closed("the reply stopped in the middle") from None
     if len(data) > end:
         raise ValueError("the peer sent more than one reply")
-    body = data[_FRAME.size:_FRAME.size + body_len]
-    message = {} if body == b"{}" else json.loads(body)
+    return _message(data[_FRAME.size:_FRAME.size + body_len]), data[_FRAME.size + body_len:]
+
+
+def _sizes(head: bytes) -> tuple[int, int]:
+    """(JSON bytes, payload bytes) of the frame whose first bytes are `head`."""
+    body_len, payload_len = _FRAME.unpack_from(head)
+    if body_len > MAX_JSON_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"frame too large ({body_len} + {payload_len} bytes)")
+    return int(body_len), int(payload_len)
+
+
+def _message(body: bytes) -> dict[str, Any]:
+    message = {} if body == b"{}" else json.loads(body)  # {}: the usual reply
     if not isinstance(message, dict):
         raise ValueError("a frame's message must be a JSON object")
-    return message, data[_FRAME.size + body_len:]
+    return message
 
 
 def call(sock: socket.socket, message: dict[str, Any], payload: bytes = b"",
