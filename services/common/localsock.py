@@ -28,6 +28,8 @@ MAX_JSON_BYTES = 1 << 24
 MAX_PAYLOAD_BYTES = 1 << 24
 MAX_FDS = 4
 _REPLY_READ_BYTES = 1 << 16  # a reply's first read (the usual reply: tens of bytes)
+# built once: json.dumps with any option builds a new encoder per call (a handoff's path)
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 class Closed(ConnectionError):
@@ -102,7 +104,7 @@ def check_peer(sock: socket.socket) -> None:
 def send(sock: socket.socket, message: dict[str, Any], payload: bytes = b"",
          fds: tuple[int, ...] = ()) -> None:
     """One frame; `fds` travel with its first bytes."""
-    body = json.dumps(message, separators=(",", ":")).encode() if message else b"{}"
+    body = _ENCODER.encode(message).encode() if message else b"{}"
     data = _FRAME.pack(len(body), len(payload)) + body + payload  # one write when it fits
     if fds:
         sent = socket.send_fds(sock, [data], list(fds))

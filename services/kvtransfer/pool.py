@@ -70,6 +70,7 @@ class Pool:
         self.page_bytes = page_bytes
         self.fingerprint = fingerprint
         self._data: np.ndarray | None = np.frombuffer(segment.buffer, dtype=np.uint8)
+        self.address = self._data.ctypes.data  # of page 0, while the pool is open
         self._readonly_fd = -1
 
     def pages(self, start: int, num_pages: int) -> np.ndarray:

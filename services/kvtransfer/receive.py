@@ -55,8 +55,9 @@ class AgentSink:
                              else f"destination runs: {exc}") from None
         exp = agent.tickets.begin_write(header.ticket, pool.pool_id, spans=header.dst_runs)
         failpoints.hit("kv.receive", header.ticket.request_id)
-        views = [pool.pages(start, n) for start, n in header.dst_runs]
-        return IncomingWrite(header, views, exp.abort, exp)
+        views = [pool.pages(start, n) for start, n in header.dst_runs]  # raise if closed
+        return IncomingWrite(header, views, exp.abort, exp, dst_addresses=[
+            pool.address + start * pool.page_bytes for start, _ in header.dst_runs])
 
     def finish(self, write: IncomingWrite, ok: bool) -> None:
         agent = self._agent

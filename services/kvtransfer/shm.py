@@ -188,7 +188,7 @@ class ShmReceiver:
                 raise
             src = self._source(message, fds, header.page_bytes)
             runs = _runs(message, header, src.num_pages)
-            self._copy(header, src.data, runs)
+            self._copy(header, src, runs)
             return {}
         except KvTransferError as exc:
             return {"error": type(exc).__name__, "message": exc.message}
@@ -218,16 +218,18 @@ class ShmReceiver:
             raise SegmentUnavailable(f"pool {key!r} was never mapped on this connection")
         return found
 
-    def _copy(self, header: WriteHeader, src: np.ndarray, runs: list[tuple[int, int]]) -> None:
+    def _copy(self, header: WriteHeader, src: _Mapped, runs: list[tuple[int, int]]) -> None:
         sink = self._sink()
         write = sink.accept(header)  # nothing is written unless this returns
         total = header.kv_bytes  # the handoff's size picks the copy (streamed when big)
         ok = True
         try:
-            for (start, _), dst in zip(runs, write.dst_views):
+            addresses = write.dst_addresses or [dst.ctypes.data for dst in write.dst_views]
+            for (start, _), dst, address in zip(runs, write.dst_views, addresses):
                 offset = start * header.page_bytes
-                ok = fastcopy.copy_in_slices(dst, src[offset:offset + dst.size], total,
-                                             COPY_SLICE_BYTES, write.abort.is_set)
+                ok = fastcopy.copy_in_slices(dst, src.data[offset:offset + dst.size], total,
+                                             COPY_SLICE_BYTES, write.abort.is_set,
+                                             (address, src.address + offset))
                 if not ok:
                     break
         except BaseException:
@@ -251,6 +253,7 @@ class _Mapped:
     def __init__(self, segment: SharedSegment, num_pages: int):
         self.segment = segment
         self.data = np.frombuffer(segment.buffer, dtype=np.uint8)
+        self.address = self.data.ctypes.data
         self.num_pages = num_pages
 
 

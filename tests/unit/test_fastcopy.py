@@ -98,3 +98,31 @@ def test_a_copy_in_slices_is_exact_and_stops_between_slices_when_asked(total) ->
     assert np.array_equal(dst[:8192], src[:8192]) and not dst[8192:].any()  # two slices, no more
     with pytest.raises(ValueError, match="copy of 10003 bytes into 10002"):
         fastcopy.copy_in_slices(dst[1:], src, total, 4096, lambda: False)
+
+
+def test_a_copy_in_slices_by_given_addresses_copies_between_those_addresses() -> None:
+    """The receiver passes the addresses it keeps (the pool's, the mapping's) instead of asking
+    numpy on the critical path: the copy lands where they point, exactly."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, fastcopy.STREAM_MIN_BYTES + 4099, dtype=np.uint8)
+    dst = np.zeros(src.size + 128, dtype=np.uint8)
+    part_src, part_dst = src[3:], dst[64:64 + src.size - 3]
+    addresses = (dst.ctypes.data + 64, src.ctypes.data + 3)
+    assert fastcopy.copy_in_slices(part_dst, part_src, src.size, 1 << 20, lambda: False,
+                                   addresses)
+    assert np.array_equal(part_dst, part_src)
+    assert not dst[:64].any() and not dst[64 + part_src.size:].any()
+
+
+def test_a_pools_address_is_where_its_pages_are() -> None:
+    from pdserve.common.layout import LayoutFingerprint
+    from pdserve.common.shm import SharedSegment
+    from pdserve.kvtransfer.pool import Pool
+    fp = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 4)
+    with SharedSegment.create(8 * fp.page_bytes, "test") as segment:
+        pool = Pool("pool-0", "w", segment, 8, fp.page_bytes, fp)
+        try:
+            for page in (0, 3, 7):
+                assert pool.address + page * fp.page_bytes == pool.pages(page, 1).ctypes.data
+        finally:
+            pool.close()
