@@ -20,12 +20,10 @@ per layout and parsed once per distinct layout. Nothing here does I/O. The sende
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import functools
 import json
 import struct
-import sys
 from dataclasses import dataclass
 
 from pdserve.common.kv.errors import BadRequest, KvTransferError, LayoutMismatch, from_wire
@@ -72,24 +70,29 @@ def _fingerprint(data: bytes) -> LayoutFingerprint:
     return LayoutFingerprint(**fields)
 
 
+@functools.lru_cache(maxsize=64)
+def _runs_struct(num_runs: int) -> struct.Struct:
+    """The runs of a header as little-endian int32 pairs: one struct per run count, so a
+    header's runs are packed and read in one call each (a handoff's critical path)."""
+    return struct.Struct(f"<{2 * num_runs}i")
+
+
+@functools.lru_cache(maxsize=256)
+def _strings_struct(lengths: tuple[int, ...]) -> struct.Struct:
+    """The header's strings, by their lengths (few distinct sets: read in one call)."""
+    return struct.Struct("<" + "".join(f"{n}s" for n in lengths))
+
+
 def _pack_runs(runs: tuple[tuple[int, int], ...]) -> bytes:
-    """The runs as little-endian int32 pairs (array, not numpy: a handoff's header is made
-    and read once per handoff on its critical path, where numpy's call overhead shows)."""
-    flat = array.array("i", [x for run in runs for x in run])  # OverflowError past int32
-    if sys.byteorder == "big":
-        flat.byteswap()
-    return flat.tobytes()
+    try:
+        return _runs_struct(len(runs)).pack(*[x for run in runs for x in run])
+    except struct.error as exc:
+        raise BadRequest(f"a write header field is out of range: {exc}") from None
 
 
 def _unpack_runs(data: bytes | memoryview, offset: int, num_runs: int
                  ) -> tuple[tuple[int, int], ...]:
-    flat = array.array("i")
-    flat.frombytes(bytes(data[offset:offset + 8 * num_runs]))
-    if len(flat) != 2 * num_runs:
-        raise ValueError(f"{num_runs} runs announced, {len(flat) // 2} present")
-    if sys.byteorder == "big":
-        flat.byteswap()
-    values = iter(flat.tolist())
+    values = iter(_runs_struct(num_runs).unpack_from(data, offset))
     return tuple(zip(values, values))
 
 
@@ -147,17 +150,16 @@ class WriteHeader:
                 raise BadRequest(f"not a pdserve KV header (magic {magic!r}, version {version})")
             if num_runs > MAX_RUNS:
                 raise BadRequest(f"{num_runs} runs in one header (limit {MAX_RUNS})")
-            xfer_id, ticket_epoch, dst_epoch, page_bytes, timeout_ms, *lengths = \
-                _FIXED.unpack_from(data, _PREFIX.size)
+            fixed = _FIXED.unpack_from(data, _PREFIX.size)
+            xfer_id, ticket_epoch, dst_epoch, page_bytes, timeout_ms = fixed[:5]
+            lengths = fixed[5:]
             at = _PREFIX.size + _FIXED.size
-            if at + sum(lengths) != _PREFIX.size + body_len:
+            if sum(lengths) != body_len - _FIXED.size:
                 raise ValueError(f"a body of {body_len} bytes with {sum(lengths)} bytes of "
                                  "strings")
-            fields: list[bytes] = []
-            for n in lengths:
-                fields.append(bytes(data[at:at + n]))
-                at += n
-            request_id, pool_id, fingerprint, traceparent, sender, reply_to, grant = fields
+            request_id, pool_id, fingerprint, traceparent, sender, reply_to, grant = \
+                _strings_struct(lengths).unpack_from(data, at)
+            at += body_len - _FIXED.size
             return cls(xfer_id, TicketKey(request_id.decode(), ticket_epoch), dst_epoch,
                        pool_id.decode(), _fingerprint(fingerprint), page_bytes,
                        _unpack_runs(data, at, num_runs), timeout_ms, reply_to,
