@@ -75,6 +75,11 @@ def parse(text: str) -> dict[str, list[Rule]]:
 _RULES = parse(os.environ.get(ENV, ""))
 
 
+def active() -> bool:
+    """Whether any failpoint is set in this process."""
+    return bool(_RULES)
+
+
 def hit(point: str, request_id: str = "") -> None:
     """Run the rules of `point` for this request (nothing at all when none are set)."""
     if not _RULES:

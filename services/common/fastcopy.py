@@ -27,7 +27,7 @@ import numpy as np
 from pdserve.common.native import build_shared, compiler, kernels_dir, prebuild_main
 
 SOURCE = Path(__file__).with_name("csrc") / "kvcopy.c"
-FLAGS = ("-O2", "-shared", "-fPIC")  # portable: kvcopy.c picks AVX-512 / AVX / SSE2 itself
+FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")  # portable: kvcopy.c picks the vector width itself
 STREAM_MIN_BYTES = 8 << 20  # handoffs from this size up stream; smaller ones stay cached
 log = logging.getLogger("pdserve.common.fastcopy")
 _lib: ctypes.CDLL | None = None

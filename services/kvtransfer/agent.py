@@ -30,25 +30,30 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from pdserve.common import failpoints, tracing
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.kv.errors import (
     BadRequest,
+    KvTransferError,
     TicketBusy,
     Unauthorized,
     UnknownPool,
+    cause,
 )
+from pdserve.common.kv.wire import WriteHeader, fingerprint_bytes
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.metrics import AgentMetrics
 from pdserve.common.security import ChannelSecurity
 from pdserve.common.shm import SharedSegment
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.grants import GrantBook, GrantedSink
+from pdserve.kvtransfer.native import NativeReceiver
 from pdserve.kvtransfer.peers import PeerDirectory
 from pdserve.kvtransfer.pool import Pool, map_by_name
-from pdserve.kvtransfer.receive import AgentSink, check_pages
+from pdserve.kvtransfer.receive import AgentSink, check_pages, count_received
 from pdserve.kvtransfer.sender import Sender
 from pdserve.kvtransfer.shm import ShmSender
-from pdserve.kvtransfer.tickets import Status, TicketBook
+from pdserve.kvtransfer.tickets import Expectation, Status, TicketBook
 from pdserve.kvtransfer.traced import traced_sink
 from pdserve.kvtransfer.transport import PeerContact, Transport, WriteSink
 
@@ -92,7 +97,9 @@ class Agent:
         self.transport = transport
         self.default_timeout_s = default_timeout_s
         self.cancel_wait_s = cancel_wait_s
-        self.tickets = TicketBook(retention_s=retention_s)
+        # same-host writes served natively (native.py); not under mutual TLS (grants)
+        self.native = NativeReceiver.create() if not grant_writes else None
+        self.tickets = TicketBook(retention_s=retention_s, native_writes=self.native)
         self.peers = PeerDirectory(security=security)
         # Mutual TLS: writes need this agent's grant; sends ask the destination for one.
         self.grants = GrantBook(ttl_s=GRANT_TTL_S) if grant_writes else None
@@ -176,7 +183,8 @@ class Agent:
             self._next_pool += 1
             pool_id = f"{worker_id}/{self._next_pool}"
         try:
-            pool = Pool(pool_id, worker_id, segment, num_pages, page_bytes, fingerprint)
+            pool = Pool(pool_id, worker_id, segment, num_pages, page_bytes, fingerprint,
+                        self.native)
         except BaseException:
             segment.close()
             raise
@@ -212,8 +220,25 @@ class Agent:
         check_pages(page_ids, pool.num_pages, "page_ids")
         if not 0 < lease_ms <= MAX_LEASE_S * 1e3:
             raise BadRequest(f"lease_ms must be in (0, {MAX_LEASE_S * 1e3:.0f}], got {lease_ms:g}")
-        self.tickets.expect(key, pool_id, page_ids, lease_ms / 1e3)
+        self.tickets.expect(key, pool_id, page_ids, lease_ms / 1e3,
+                            arm=lambda exp: self._arm(exp, pool))
         return self.epoch
+
+    def native_write_landed(self, header: WriteHeader, error: KvTransferError | None) -> None:
+        """Count a write the native path served (its pages landed, or a cancel stopped it)."""
+        if error is None:
+            count_received(self, "shm", header)
+        else:
+            self.metrics.failed(cause(error), "receive")
+
+    def _arm(self, exp: Expectation, pool: Pool) -> bool:
+        """Arm the ticket for the native same-host write, unless something must see each
+        write: a kv.receive span (tracing) or a failpoint."""
+        if self.native is None or tracing.enabled() or failpoints.active():
+            return False
+        return self.native.arm(exp.key, pool.native, pool.pool_id, self.epoch,
+                               fingerprint_bytes(pool.fingerprint), pool.page_bytes, exp.spans,
+                               exp.lease_deadline)
 
     def cancel(self, key: TicketKey) -> tuple[bool, bool]:
         """Close the ticket; returns (was_pending, was_complete) once nothing writes for it."""

@@ -54,9 +54,10 @@ def default_address(port: int) -> str:
 class _Connection:
     """What one local connection holds: the pools registered on it, the peer pools mapped."""
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: Agent, sock: socket.socket):
         self.pools: list[str] = []
-        self.shm = ShmReceiver(lambda: agent.shm_sink)
+        self.shm = ShmReceiver(lambda: agent.shm_sink, agent.native, sock.fileno(),
+                               agent.native_write_landed)
 
 
 class LocalServer:
@@ -70,7 +71,7 @@ class LocalServer:
         self._thread = threading.Thread(target=self._accept_loop, name="kv-local-accept",
                                         daemon=True)
         self._ops: dict[str, Callable[[dict[str, Any], bytes, list[int], _Connection],
-                                      dict[str, Any]]] = {
+                                      dict[str, Any] | None]] = {
             "hello": self._hello, "register": self._register, "expect": self._expect,
             "cancel": self._cancel, "status": self._status, "send": self._send,
             "shm_write": lambda m, p, f, c: c.shm.write(m, p, f),
@@ -115,13 +116,13 @@ class LocalServer:
     def _serve(self, sock: socket.socket) -> None:
         with self._lock:
             self._conns.add(sock)
-        state = _Connection(self._agent)
+        state = _Connection(self._agent, sock)
         try:
             localsock.check_peer(sock)
             while not self._stopping.is_set():
                 message, payload, fds = localsock.recv(sock)
                 reply = self._dispatch(message, payload, fds, state)
-                if message.get("op") not in _NOTES:
+                if reply is not None and message.get("op") not in _NOTES:  # None: sent
                     localsock.send(sock, reply)
         except PermissionError as exc:
             log.warning("refused a local connection: %s", exc)
@@ -136,7 +137,8 @@ class LocalServer:
                 self._agent.drop_pool(pool_id)
 
     def _dispatch(self, message: dict[str, Any], payload: bytes, fds: list[int],
-                  state: _Connection) -> dict[str, Any]:
+                  state: _Connection) -> dict[str, Any] | None:
+        """The reply to send (None: the op sent it itself)."""
         name = str(message.get("op"))
         if name not in _FD_OPS:  # only these take (and own) descriptors
             for fd in fds:

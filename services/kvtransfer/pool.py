@@ -15,6 +15,7 @@ import numpy as np
 from pdserve.common.kv.errors import BadRequest
 from pdserve.common.layout import DTYPE_BYTES, LayoutFingerprint
 from pdserve.common.shm import SharedSegment
+from pdserve.kvtransfer.native import NativeReceiver
 
 
 def check_page_bytes(fp: LayoutFingerprint, page_bytes: int) -> None:
@@ -59,7 +60,8 @@ class Pool:
     """A local worker's pool: its layout and its mapped segment (which this object closes)."""
 
     def __init__(self, pool_id: str, worker_id: str, segment: SharedSegment, num_pages: int,
-                 page_bytes: int, fingerprint: LayoutFingerprint):
+                 page_bytes: int, fingerprint: LayoutFingerprint,
+                 native_writes: NativeReceiver | None = None):
         check_shape(num_pages, page_bytes)
         check_page_bytes(fingerprint, page_bytes)
         self._segment = segment
@@ -72,6 +74,10 @@ class Pool:
         self._data: np.ndarray | None = np.frombuffer(segment.buffer, dtype=np.uint8)
         self.address = self._data.ctypes.data  # of page 0, while the pool is open
         self._readonly_fd = -1
+        # registered for native writes while mapped (its handle, generation); (-1, 0): not
+        self._native = native_writes
+        self.native = native_writes.open_pool(self.address, num_pages * page_bytes) \
+            if native_writes is not None else (-1, 0)
 
     def pages(self, start: int, num_pages: int) -> np.ndarray:
         """A writable uint8 view (no copy) of `num_pages` pages from page `start`."""
@@ -92,6 +98,8 @@ class Pool:
     def close(self) -> None:
         """Unmap (the worker keeps the segment). Views still held elsewhere keep it mapped."""
         self._data = None
+        if self._native is not None:  # waits for native writes into it, refuses later ones
+            self._native.close_pool(self.native[0])
         if self._readonly_fd >= 0:
             os.close(self._readonly_fd)
             self._readonly_fd = -1

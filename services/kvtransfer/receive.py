@@ -68,10 +68,15 @@ class AgentSink:
             agent.metrics.failed(cause(exc), "receive")
             raise
         if ok:
-            agent.metrics.received(self.transport, kv_bytes,
-                                   sum(n for _, n in write.header.dst_runs), write.header.sender)
+            count_received(agent, self.transport, write.header)
         else:
             agent.metrics.failed("incomplete", "receive")
+
+
+def count_received(agent: Agent, transport: str, header: WriteHeader) -> None:
+    """A write that landed whole, in the agent's byte counters."""
+    agent.metrics.received(transport, header.kv_bytes, sum(n for _, n in header.dst_runs),
+                           header.sender)
 
 
 def check_pages(page_ids: Sequence[int], num_pages: int, what: str) -> None:

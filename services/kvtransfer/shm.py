@@ -40,6 +40,7 @@ from pdserve.common.kv.errors import (
     BadRequest,
     KvTransferError,
     SegmentUnavailable,
+    TicketCancelled,
     TransferTimeout,
 )
 from pdserve.common.kv.runs import PageRun
@@ -51,6 +52,8 @@ from pdserve.common.kv.samehost import (
 )
 from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.shm import SharedSegment
+from pdserve.kvtransfer import native
+from pdserve.kvtransfer.native import NativeReceiver
 from pdserve.kvtransfer.peers import PeerDirectory, PeerInfo
 from pdserve.kvtransfer.pool import Pool, map_fd
 from pdserve.kvtransfer.transport import WriteSink
@@ -171,14 +174,34 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 class ShmReceiver:
-    """The receiving half, one per local connection: the sender pools mapped on it."""
+    """The receiving half, one per local connection: the sender pools mapped on it.
 
-    def __init__(self, sink: Callable[[], WriteSink]):
+    A write of a ticket armed for it is served by the native path (native.py: checks, copy,
+    reply on `fd`, without the interpreter); `landed(header, error)` then counts it. Any other
+    write, and any the native path declines, goes through the sink here."""
+
+    def __init__(self, sink: Callable[[], WriteSink], native_writes: NativeReceiver | None = None,
+                 fd: int = -1,
+                 landed: Callable[[WriteHeader, KvTransferError | None], None] | None = None):
         self._sink = sink
         self._maps: dict[str, _Mapped] = {}
+        self._native = native_writes if fd >= 0 and landed is not None else None
+        self._fd = fd
+        self._landed = landed
+        self._out = native.out_buffer()
 
-    def write(self, message: dict[str, Any], payload: bytes, fds: list[int]) -> dict[str, Any]:
-        """Serve one shm_write; returns the reply (an error reply names the refusal)."""
+    def write(self, message: dict[str, Any], payload: bytes, fds: list[int]
+              ) -> dict[str, Any] | None:
+        """Serve one shm_write; returns the reply (an error reply names the refusal), or None
+        when the native path has sent it."""
+        if self._native is not None and not fds:
+            mapped = self._maps.get(message.get("src_pool", ""))
+            if mapped is not None:
+                done = self._native.write(payload, mapped.address, mapped.num_pages,
+                                          message.get("src_runs"), self._fd, COPY_SLICE_BYTES,
+                                          self._out)
+                if done != native.DECLINED:
+                    return self._native_done(done, payload)
         try:
             try:
                 header = WriteHeader.decode(payload)
@@ -192,6 +215,25 @@ class ShmReceiver:
             return {}
         except KvTransferError as exc:
             return {"error": type(exc).__name__, "message": exc.message}
+
+    def _native_done(self, done: int, payload: bytes) -> dict[str, Any] | None:
+        """After a native write (its reply, if any, is sent): count it; the reply to send."""
+        assert self._landed is not None
+        try:  # it matched an armed ticket, so it is well formed; if not, it goes uncounted
+            header: WriteHeader | None = WriteHeader.decode(payload)
+        except KvTransferError:
+            header = None
+        if done == native.STOPPED:
+            exc = TicketCancelled(f"ticket {header.ticket if header else '?'} was cancelled "
+                                  "during its write")
+            if header is not None:
+                self._landed(header, exc)
+            return {"error": type(exc).__name__, "message": exc.message}
+        if header is not None:
+            self._landed(header, None)
+        if done == native.SEND_FAILED:
+            raise OSError("the reply to a same-host write could not be sent")
+        return None  # the native path replied
 
     def _source(self, message: dict[str, Any], fds: list[int], page_bytes: int) -> _Mapped:
         key = str(message.get("src_pool", ""))

@@ -14,6 +14,12 @@ prefill chunk as it completes), one write at a time. The ticket is COMPLETE once
 reserved page has landed. Cancel (and expiry) close the ticket for good; cancel returns only
 once no write for it is in flight. Closed tickets are remembered for `retention_s` so a late
 write is refused with the precise reason, then forgotten (unknown ticket).
+
+A ticket may also be armed for the native same-host write (pdserve.kvtransfer.native), which
+serves a write of exactly its reserved pages without this book. The book stays the authority:
+before it decides anything about an armed ticket it takes it back (`_settle`), applying what
+the native write did (every page landed, or nothing) or learning that one is in flight (then
+the ticket is WRITING as far as anyone asking can tell).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pdserve.common.kv.errors import (
 )
 from pdserve.common.kv.runs import expand, spans_of
 from pdserve.common.tickets import TicketKey
+from pdserve.kvtransfer import native
 
 
 class State(enum.Enum):
@@ -58,6 +65,7 @@ class Expectation:
     abort: threading.Event = field(default_factory=threading.Event)
     landed: frozenset[int] = frozenset()  # pages whose write completed
     writing_pages: frozenset[int] = frozenset()  # the pages of the write in flight
+    armed: bool = False  # the native same-host write may serve it (see the module docstring)
     reserved: frozenset[int] = field(init=False)  # page_ids as a set, for each write's check
     spans: tuple[tuple[int, int], ...] = field(init=False)  # page_ids as (start, n) spans
 
@@ -83,14 +91,18 @@ class Status:
 class TicketBook:
     """Thread-safe registry of expected writes. `clock` is monotonic seconds."""
 
-    def __init__(self, *, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, *, retention_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 native_writes: native.NativeReceiver | None = None):
         self._retention_s = retention_s
         self._clock = clock
+        self._native = native_writes  # arming needs leases on time.monotonic (the C clock)
         self._cond = threading.Condition()
         self._tickets: dict[TicketKey, Expectation] = {}
 
-    def expect(self, key: TicketKey, pool_id: str, page_ids: Sequence[int], lease_s: float) -> None:
-        """Open (or, while still EXPECTED, renew) the write window for `key`."""
+    def expect(self, key: TicketKey, pool_id: str, page_ids: Sequence[int], lease_s: float,
+               arm: Callable[[Expectation], bool] | None = None) -> None:
+        """Open (or, while still EXPECTED, renew) the write window for `key`. `arm(exp)`
+        arms it for the native write (the caller knows the pool); True when armed."""
         if not key.request_id:
             raise BadRequest("ticket.request_id is empty")
         if not page_ids:
@@ -100,6 +112,8 @@ class TicketBook:
         with self._cond:
             old = self._tickets.get(key)
             if old is not None:
+                if self._settle(old):
+                    raise TicketBusy(f"ticket {key}: a write for it is already in flight")
                 self._expire_locked(old, self._clock())
             if old is not None and old.state is not State.EXPECTED:
                 self._raise_state(old)
@@ -110,6 +124,8 @@ class TicketBook:
                                      "be renewed for the same pages only")
                 exp.landed, exp.kv_bytes = old.landed, old.kv_bytes
             self._tickets[key] = exp
+            if arm is not None and self._native is not None and exp.spans and not exp.landed:
+                exp.armed = arm(exp)
 
     def begin_write(self, key: TicketKey, pool_id: str, page_ids: Sequence[int] = (), *,
                     spans: Sequence[tuple[int, int]] = ()) -> Expectation:
@@ -117,7 +133,9 @@ class TicketBook:
         yet) into `pool_id` for `key`: EXPECTED -> WRITING. The pages may come as `spans`
         instead ((start, n), checked in the pool and not overlapping by the caller)."""
         with self._cond:
-            exp = self._live(key)
+            exp, busy = self._live(key)
+            if busy:
+                raise TicketBusy(f"ticket {key}: a write for it is already in flight")
             if exp.state is not State.EXPECTED:
                 self._raise_state(exp)
             if pool_id != exp.pool_id:
@@ -168,6 +186,9 @@ class TicketBook:
             exp = self._tickets.get(key)
             if exp is None:
                 return False, False
+            if self._settle(exp, abort=True, wait_s=wait_s):
+                raise TransferTimeout(f"ticket {key}: the write in flight did not stop "
+                                      f"within {wait_s:.1f}s of the cancel")
             self._expire_locked(exp, self._clock())
             was_pending = exp.state in (State.EXPECTED, State.WRITING)
             was_complete = exp.state is State.COMPLETE
@@ -184,7 +205,9 @@ class TicketBook:
     def status(self, key: TicketKey) -> Status:
         """Whether the ticket's write fully landed. Raises for unknown or closed tickets."""
         with self._cond:
-            exp = self._live(key)
+            exp, busy = self._live(key)
+            if busy:
+                return Status(False, exp.kv_bytes, exp.completed_unix_ms)
             if exp.state in (State.CANCELLED, State.EXPIRED):
                 self._raise_state(exp)
             return Status(exp.state is State.COMPLETE, exp.kv_bytes, exp.completed_unix_ms)
@@ -200,12 +223,31 @@ class TicketBook:
             return len(self._tickets)
 
     # ---- internals (lock held) --------------------------------------------------------
-    def _live(self, key: TicketKey) -> Expectation:
+    def _live(self, key: TicketKey) -> tuple[Expectation, bool]:
+        """The ticket, brought up to date; True with it while a native write is in flight."""
         exp = self._tickets.get(key)
         if exp is None:
             raise UnknownTicket(f"unknown ticket {key} (never expected here, or long closed)")
+        if self._settle(exp):
+            return exp, True
         self._expire_locked(exp, self._clock())
-        return exp
+        return exp, False
+
+    def _settle(self, exp: Expectation, *, abort: bool = False, wait_s: float = 0.0) -> bool:
+        """Take an armed ticket back from the native write path and apply what it did; True
+        (and still armed) while a native write is in flight after `wait_s` (`abort`: stop it
+        at its next slice)."""
+        if not exp.armed or self._native is None:
+            return False
+        state, kv_bytes, done_unix_ms = self._native.take(exp.key, abort, wait_s)
+        if state == native.WRITING:
+            return True
+        exp.armed = False
+        if state == native.DONE and exp.state is State.EXPECTED:
+            exp.landed, exp.kv_bytes = exp.reserved, exp.kv_bytes + kv_bytes
+            exp.state, exp.completed_unix_ms = State.COMPLETE, done_unix_ms
+            exp.forget_at = self._clock() + self._retention_s
+        return False  # ARMED, ABORTED (a cancel stopped it: nothing counts as landed), ABSENT
 
     def _expire_locked(self, exp: Expectation, now: float) -> None:
         if exp.state is State.EXPECTED and now >= exp.lease_deadline:
@@ -225,6 +267,8 @@ class TicketBook:
     def _sweep_locked(self) -> None:
         now = self._clock()
         for key, exp in list(self._tickets.items()):
+            if exp.armed and (now < exp.lease_deadline or self._settle(exp)):
+                continue  # armed and live, or a native write in flight
             self._expire_locked(exp, now)
             if now >= exp.forget_at and not exp.writing:
                 del self._tickets[key]

@@ -98,3 +98,310 @@ int pdserve_stream_copy(void *dst, const void *src, size_t n) {
 #endif
     return 0;
 }
+
+/* ---- The receiving agent's native same-host write (pdserve.kvtransfer.native) ------------------
+ *
+ * A decode agent arms each expected ticket here (its reserved pages as spans, the pool's
+ * address, the layout it must match, the lease). A same-host `shm_write` whose header matches an
+ * armed ticket exactly is then checked, copied and answered here without the Python
+ * interpreter: after a wake-up every step of Python costs several microseconds, and the ~90 us
+ * before the copy and ~40 us after it were most of what a handoff added to the copy. Anything
+ * that does not match is declined, and the Python path refuses it with the precise reason. The
+ * Python ticket book stays the authority: before it decides anything about an armed ticket it
+ * takes the ticket back from here (`pdserve_kv_take`), learning whether its pages landed. Pools
+ * are registered so that closing one waits for the writes into it and refuses later ones.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define KV_SLOTS 1024
+#define KV_BUCKETS 1024
+#define KV_POOLS 64
+#define KV_RID_MAX 256
+#define KV_POOL_ID_MAX 256
+#define KV_FP_MAX 1024
+#define KV_SPANS_MAX 16
+#define KV_PREFIX 16   /* magic, version, 3 pad, body bytes, runs (wire.py _PREFIX) */
+#define KV_FIXED 68    /* xfer_id, ticket epoch, agent epoch, page_bytes, timeout, 7 lengths */
+
+enum { KV_ABSENT = 0, KV_ARMED = 1, KV_WRITING = 2, KV_DONE = 3, KV_ABORTED = 4 };
+enum { KV_DECLINED = 0, KV_REPLIED = 1, KV_STOPPED = 2, KV_SEND_FAILED = 3 };
+
+typedef struct {
+    uintptr_t base;
+    uint64_t size;
+    uint64_t gen;     /* bumped each time the entry is reused for another pool */
+    int open;
+    int writers;      /* native writes into it in flight */
+} kv_pool;
+
+typedef struct {
+    int state;
+    int abort;        /* set by a cancel; the copy stops at the next slice */
+    uint64_t hash, ticket_epoch, agent_epoch, pool_gen;
+    int pool;
+    uint32_t rid_len, pool_id_len, fp_len, nspans;
+    int64_t page_bytes, deadline_ns, kv_bytes;
+    double done_unix_ms;
+    int32_t spans[2 * KV_SPANS_MAX];
+    char rid[KV_RID_MAX], pool_id[KV_POOL_ID_MAX], fp[KV_FP_MAX];
+} kv_slot;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;  /* a write ended, or a pool's last writer left */
+    int16_t head[KV_BUCKETS], next[KV_SLOTS], free_head;
+    kv_pool pools[KV_POOLS];
+    kv_slot slots[KV_SLOTS];
+} kv_table;
+
+static int64_t kv_now_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static uint64_t kv_hash(const char *rid, uint32_t n, uint64_t epoch) {
+    uint64_t h = 1469598103934665603ULL ^ epoch;
+    for (uint32_t i = 0; i < n; i++) h = (h ^ (unsigned char)rid[i]) * 1099511628211ULL;
+    return h;
+}
+
+static kv_slot *kv_find(kv_table *t, const char *rid, uint32_t n, uint64_t epoch, uint64_t h,
+                        int *index) {
+    for (int i = t->head[h % KV_BUCKETS]; i >= 0; i = t->next[i]) {
+        kv_slot *s = &t->slots[i];
+        if (s->hash == h && s->ticket_epoch == epoch && s->rid_len == n &&
+            memcmp(s->rid, rid, n) == 0) {
+            if (index) *index = i;
+            return s;
+        }
+    }
+    return NULL;
+}
+
+static void kv_remove(kv_table *t, int i) {
+    int16_t *link = &t->head[t->slots[i].hash % KV_BUCKETS];
+    while (*link != i) link = &t->next[*link];
+    *link = t->next[i];
+    t->slots[i].state = KV_ABSENT;
+    t->next[i] = t->free_head;
+    t->free_head = (int16_t)i;
+}
+
+/* A new, empty table (one per agent; never freed: a connection thread may still hold it). */
+void *pdserve_kv_table_new(void) {
+    kv_table *t = calloc(1, sizeof *t);
+    if (t == NULL) return NULL;
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, &attr);
+    pthread_condattr_destroy(&attr);
+    for (int i = 0; i < KV_BUCKETS; i++) t->head[i] = -1;
+    for (int i = 0; i < KV_SLOTS; i++) t->next[i] = (int16_t)(i + 1 < KV_SLOTS ? i + 1 : -1);
+    t->free_head = 0;
+    return t;
+}
+
+/* Register a mapped pool of `size` bytes at `base`: its handle, or -1 when the table is full.
+ * The generation (out) tells armed tickets of an earlier pool in the same entry apart. */
+int pdserve_kv_pool_open(void *table, uintptr_t base, uint64_t size, uint64_t *gen) {
+    kv_table *t = table;
+    int handle = -1;
+    pthread_mutex_lock(&t->mu);
+    for (int i = 0; i < KV_POOLS && handle < 0; i++) {
+        kv_pool *p = &t->pools[i];
+        if (!p->open && p->writers == 0) {
+            p->base = base, p->size = size, p->open = 1, p->gen++;
+            *gen = p->gen;
+            handle = i;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return handle;
+}
+
+/* No native write goes into the pool from now on; returns once none is in flight. */
+void pdserve_kv_pool_close(void *table, int handle) {
+    kv_table *t = table;
+    if (handle < 0 || handle >= KV_POOLS) return;
+    pthread_mutex_lock(&t->mu);
+    t->pools[handle].open = 0;
+    while (t->pools[handle].writers > 0) pthread_cond_wait(&t->cv, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* Arm a ticket: a write of exactly `spans` ((start, n) int32 pairs) into the pool, from a pool of
+ * the layout `fp`, addressed to `agent_epoch`, before `deadline_ns` (CLOCK_MONOTONIC). 0 when
+ * armed, -1 when not (the Python path then serves its write). */
+int pdserve_kv_arm(void *table, const char *rid, uint32_t rid_len, uint64_t ticket_epoch,
+                   int pool, uint64_t pool_gen, const char *pool_id, uint32_t pool_id_len,
+                   uint64_t agent_epoch, const char *fp, uint32_t fp_len, int64_t page_bytes,
+                   const int32_t *spans, uint32_t nspans, int64_t deadline_ns) {
+    kv_table *t = table;
+    if (rid_len > KV_RID_MAX || pool_id_len > KV_POOL_ID_MAX || fp_len > KV_FP_MAX ||
+        nspans == 0 || nspans > KV_SPANS_MAX || pool < 0 || pool >= KV_POOLS || page_bytes <= 0)
+        return -1;
+    uint64_t h = kv_hash(rid, rid_len, ticket_epoch);
+    int rc = -1;
+    pthread_mutex_lock(&t->mu);
+    kv_pool *p = &t->pools[pool];
+    if (p->open && p->gen == pool_gen && kv_find(t, rid, rid_len, ticket_epoch, h, NULL) == NULL
+        && t->free_head >= 0) {
+        int i = t->free_head;
+        kv_slot *s = &t->slots[i];
+        t->free_head = t->next[i];
+        t->next[i] = t->head[h % KV_BUCKETS];
+        t->head[h % KV_BUCKETS] = (int16_t)i;
+        s->state = KV_ARMED, s->abort = 0, s->hash = h, s->ticket_epoch = ticket_epoch;
+        s->agent_epoch = agent_epoch, s->pool = pool, s->pool_gen = pool_gen;
+        s->rid_len = rid_len, s->pool_id_len = pool_id_len, s->fp_len = fp_len;
+        s->nspans = nspans, s->page_bytes = page_bytes, s->deadline_ns = deadline_ns;
+        s->kv_bytes = 0, s->done_unix_ms = 0;
+        memcpy(s->rid, rid, rid_len);
+        memcpy(s->pool_id, pool_id, pool_id_len);
+        memcpy(s->fp, fp, fp_len);
+        memcpy(s->spans, spans, 2 * sizeof(int32_t) * nspans);
+        rc = 0;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+/* Take a ticket back: its state (KV_ABSENT when not armed; KV_ARMED: nothing written; KV_DONE:
+ * every page landed, out[0] = bytes, done_ms = when; KV_ABORTED: a write stopped for a cancel)
+ * and it is forgotten here, except while a write is in flight: `abort` stops that write at its
+ * next slice, and this waits up to `wait_ns` for it to end; KV_WRITING if it has not. */
+int pdserve_kv_take(void *table, const char *rid, uint32_t rid_len, uint64_t ticket_epoch,
+                    int abort, int64_t wait_ns, int64_t *out, double *done_ms) {
+    kv_table *t = table;
+    uint64_t h = kv_hash(rid, rid_len, ticket_epoch);
+    int i = -1, state = KV_ABSENT;
+    pthread_mutex_lock(&t->mu);
+    kv_slot *s = kv_find(t, rid, rid_len, ticket_epoch, h, &i);
+    if (s != NULL) {
+        if (s->state == KV_WRITING) {
+            if (abort) __atomic_store_n(&s->abort, 1, __ATOMIC_RELAXED);
+            int64_t until = kv_now_ns(CLOCK_MONOTONIC) + (wait_ns > 0 ? wait_ns : 0);
+            struct timespec ts = {until / 1000000000LL, until % 1000000000LL};
+            while (s->state == KV_WRITING && wait_ns > 0 &&
+                   pthread_cond_timedwait(&t->cv, &t->mu, &ts) != ETIMEDOUT) {}
+        }
+        state = s->state;
+        if (state != KV_WRITING) {
+            out[0] = s->kv_bytes;
+            *done_ms = s->done_unix_ms;
+            kv_remove(t, i);
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return state;
+}
+
+static int kv_reply_done(int fd) {  /* the local socket's frame for {} (localsock.send) */
+    static const char frame[10] = {2, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
+    size_t sent = 0;
+    while (sent < sizeof frame) {
+        ssize_t n = send(fd, frame + sent, sizeof frame - sent, MSG_NOSIGNAL);
+        if (n > 0) {
+            sent += (size_t)n;
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd p = {fd, POLLOUT, 0};  /* a socket with a timeout is non-blocking */
+            if (poll(&p, 1, 10000) <= 0) return -1;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static uint32_t kv_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t kv_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* Serve one same-host write: the encoded WriteHeader, the sender's mapped pool and the source
+ * runs ((start, n) int32 pairs). KV_DECLINED: nothing was done (not armed, or anything differs:
+ * the Python path answers). KV_REPLIED: every byte landed, the ticket is done here, and the
+ * reply went on `fd`; out[0] = bytes. KV_STOPPED: a cancel stopped the copy (no reply sent).
+ * KV_SEND_FAILED: landed and done, but the reply could not be sent. Little-endian hosts only
+ * (the header's byte order); others decline. */
+int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_t src_base,
+                     uint64_t src_pages, const int32_t *src_runs, uint32_t nruns, int fd,
+                     uint64_t slice_bytes, uint64_t stream_min, int64_t *out) {
+    kv_table *t = table;
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+    return KV_DECLINED;
+#endif
+    if (hdr_len < KV_PREFIX + KV_FIXED || memcmp(hdr, "PDKV", 4) != 0 || hdr[4] != 2)
+        return KV_DECLINED;
+    uint64_t body_len = kv_u32(hdr + 8), num_runs = kv_u32(hdr + 12);
+    if (body_len < KV_FIXED || num_runs != nruns || num_runs == 0 || num_runs > KV_SPANS_MAX ||
+        KV_PREFIX + body_len + 8 * num_runs > hdr_len || slice_bytes == 0)
+        return KV_DECLINED;
+    const uint8_t *f = hdr + KV_PREFIX;
+    uint64_t ticket_epoch = kv_u64(f + 8), agent_epoch = kv_u64(f + 16);
+    int64_t page_bytes = (int64_t)kv_u64(f + 24);
+    uint64_t len[7], strings = 0;
+    for (int i = 0; i < 7; i++) strings += len[i] = kv_u32(f + 40 + 4 * i);
+    if (strings != body_len - KV_FIXED) return KV_DECLINED;
+    const char *rid = (const char *)f + KV_FIXED;
+    const char *pool_id = rid + len[0], *fp = pool_id + len[1];
+    const uint8_t *runs = hdr + KV_PREFIX + body_len;
+    if (len[0] > KV_RID_MAX) return KV_DECLINED;
+    uint64_t h = kv_hash(rid, (uint32_t)len[0], ticket_epoch);
+
+    pthread_mutex_lock(&t->mu);
+    kv_slot *s = kv_find(t, rid, (uint32_t)len[0], ticket_epoch, h, NULL);
+    kv_pool *p = s ? &t->pools[s->pool] : NULL;
+    int ok = s != NULL && s->state == KV_ARMED && p->open && p->gen == s->pool_gen &&
+             s->agent_epoch == agent_epoch && s->page_bytes == page_bytes &&
+             s->pool_id_len == len[1] && memcmp(s->pool_id, pool_id, len[1]) == 0 &&
+             s->fp_len == len[2] && memcmp(s->fp, fp, len[2]) == 0 &&
+             s->nspans == nruns && memcmp(s->spans, runs, 8 * nruns) == 0 &&
+             kv_now_ns(CLOCK_MONOTONIC) < s->deadline_ns;
+    uint64_t total = 0;
+    for (uint32_t r = 0; ok && r < nruns; r++) {
+        int64_t dst = s->spans[2 * r], n = s->spans[2 * r + 1];
+        int64_t src = src_runs[2 * r], m = src_runs[2 * r + 1];
+        ok = n > 0 && m == n && src >= 0 && (uint64_t)(src + n) <= src_pages && dst >= 0 &&
+             (uint64_t)((dst + n) * page_bytes) <= p->size;
+        total += (uint64_t)n * (uint64_t)page_bytes;
+    }
+    if (ok) {
+        s->state = KV_WRITING;
+        p->writers++;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!ok) return KV_DECLINED;
+
+    int stopped = 0;  /* the slot and the pool stay put while a write is in flight */
+    for (uint32_t r = 0; r < nruns && !stopped; r++) {
+        char *d = (char *)(p->base + (uint64_t)s->spans[2 * r] * (uint64_t)page_bytes);
+        const char *from = (const char *)(src_base + (uint64_t)src_runs[2 * r] *
+                                          (uint64_t)page_bytes);
+        uint64_t n = (uint64_t)s->spans[2 * r + 1] * (uint64_t)page_bytes;
+        for (uint64_t at = 0; at < n; at += slice_bytes) {
+            if (__atomic_load_n(&s->abort, __ATOMIC_RELAXED)) { stopped = 1; break; }
+            uint64_t k = n - at < slice_bytes ? n - at : slice_bytes;
+            if (total >= stream_min) pdserve_stream_copy(d + at, from + at, k);
+            else memcpy(d + at, from + at, k);
+        }
+    }
+    pthread_mutex_lock(&t->mu);
+    p->writers--;
+    s->state = stopped ? KV_ABORTED : KV_DONE;
+    s->kv_bytes = stopped ? 0 : (int64_t)total;
+    s->done_unix_ms = kv_now_ns(CLOCK_REALTIME) / 1e6;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    out[0] = (int64_t)total;
+    if (stopped) return KV_STOPPED;
+    return kv_reply_done(fd) == 0 ? KV_REPLIED : KV_SEND_FAILED;
+}

@@ -56,8 +56,9 @@ def expect_same(mine: LayoutFingerprint, theirs: LayoutFingerprint, mine_name: s
 
 
 @functools.lru_cache(maxsize=64)
-def _fingerprint_bytes(fp: LayoutFingerprint) -> bytes:
-    """A pool's layout as JSON bytes (a few layouts per agent: made once each)."""
+def fingerprint_bytes(fp: LayoutFingerprint) -> bytes:
+    """A pool's layout as a header carries it: JSON bytes (a few layouts per agent: made once
+    each). A receiver armed for native writes compares these bytes."""
     return json.dumps(dataclasses.asdict(fp), separators=(",", ":")).encode()
 
 
@@ -120,7 +121,7 @@ class WriteHeader:
 
     def encode(self) -> bytes:
         strings = (self.ticket.request_id.encode(), self.dst_pool_id.encode(),
-                   _fingerprint_bytes(self.fingerprint), self.traceparent.encode(),
+                   fingerprint_bytes(self.fingerprint), self.traceparent.encode(),
                    self.sender.encode(), self.reply_to, self.grant)
         try:
             fixed = _FIXED.pack(self.xfer_id, self.ticket.epoch, self.dst_agent_epoch,
