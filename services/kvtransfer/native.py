@@ -119,10 +119,11 @@ class NativeReceiver:
                                           int(wait_s * 1e9), out, ctypes.byref(done_ms))
         return int(state), int(out[0]) if state == DONE else 0, float(done_ms.value)
 
-    def write(self, header: bytes, src_address: int, src_pages: int, src_runs: Any, fd: int,
+    def write(self, header: bytes, src_address: int, src_size: int, src_runs: Any, fd: int,
               slice_bytes: int, out: Any) -> int:
-        """Serve one shm_write natively (see the module docstring); `out[0]` gets the bytes.
-        DECLINED when it cannot (not armed, anything different, malformed runs)."""
+        """Serve one shm_write natively (see the module docstring): the sender's pool is
+        mapped at `src_address`, `src_size` bytes; `out[0]` gets the bytes written. DECLINED
+        when it cannot (not armed, anything different, runs outside the mapping, malformed)."""
         try:
             n = len(src_runs)
             if n == 1:
@@ -135,7 +136,7 @@ class NativeReceiver:
         except (TypeError, ValueError, struct.error):
             return DECLINED
         return int(self._lib.pdserve_kv_write(
-            self._table, header, len(header), src_address, src_pages, runs, n, fd, slice_bytes,
+            self._table, header, len(header), src_address, src_size, runs, n, fd, slice_bytes,
             fastcopy.STREAM_MIN_BYTES, out))
 
 

@@ -197,7 +197,7 @@ class ShmReceiver:
         if self._native is not None and not fds:
             mapped = self._maps.get(message.get("src_pool", ""))
             if mapped is not None:
-                done = self._native.write(payload, mapped.address, mapped.num_pages,
+                done = self._native.write(payload, mapped.address, mapped.data.nbytes,
                                           message.get("src_runs"), self._fd, COPY_SLICE_BYTES,
                                           self._out)
                 if done != native.DECLINED:

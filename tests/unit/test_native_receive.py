@@ -61,8 +61,9 @@ class Rig:
                              page_bytes=self.fp.page_bytes, dst_runs=runs, timeout_ms=1000.0)
         return replace(header, **changes)  # type: ignore[arg-type]
 
-    def write(self, header: WriteHeader, src_runs: list[list[int]]) -> int:
-        return self.native.write(header.encode(), self.src.ctypes.data, self.pages, src_runs,
+    def write(self, header: WriteHeader, src_runs: list[list[int]], src_pages: int = 0) -> int:
+        return self.native.write(header.encode(), self.src.ctypes.data,
+                                 (src_pages or self.pages) * self.fp.page_bytes, src_runs,
                                  self.ours.fileno(), SLICE, self.out)
 
     def reply(self) -> bytes:
@@ -125,6 +126,14 @@ def test_source_runs_that_do_not_fit_are_declined_untouched(rig: Rig, src_runs) 
     assert not rig.dst.any()
 
 
+def test_source_runs_past_the_senders_pool_as_mapped_here_are_declined(rig: Rig) -> None:
+    """The mapping's size in bytes bounds the source, whatever page size a header claims."""
+    rig.expect([10, 11])
+    assert rig.write(rig.header(((10, 2),)), [[3, 2]], src_pages=4) == native.DECLINED
+    assert not rig.dst.any()
+    assert rig.write(rig.header(((10, 2),)), [[2, 2]], src_pages=4) == native.REPLIED
+
+
 def test_a_cancelled_expired_closed_or_python_served_ticket_is_not_written_natively(
         rig: Rig) -> None:
     header = rig.header(((10, 2),))
@@ -181,7 +190,7 @@ def test_a_cancel_racing_a_native_write_agrees_with_its_answer() -> None:
                   outcome: list[int] = outcome) -> None:
             header = rig.header(((0, rig.pages),), ticket=k).encode()
             started.set()
-            outcome.append(rig.native.write(header, rig.src.ctypes.data, rig.pages,
+            outcome.append(rig.native.write(header, rig.src.ctypes.data, rig.src.nbytes,
                                             [[0, rig.pages]], rig.ours.fileno(),
                                             rig.fp.page_bytes, rig.out))
         writer = threading.Thread(target=write)

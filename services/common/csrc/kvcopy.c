@@ -326,14 +326,14 @@ static int kv_reply_done(int fd) {  /* the local socket's frame for {} (localsoc
 static uint32_t kv_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t kv_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* Serve one same-host write: the encoded WriteHeader, the sender's mapped pool and the source
- * runs ((start, n) int32 pairs). KV_DECLINED: nothing was done (not armed, or anything differs:
+/* Serve one same-host write: the encoded WriteHeader, the sender's pool as mapped here (its
+ * address and size in bytes) and the source runs ((start, n) int32 pairs). KV_DECLINED: nothing was done (not armed, or anything differs:
  * the Python path answers). KV_REPLIED: every byte landed, the ticket is done here, and the
  * reply went on `fd`; out[0] = bytes. KV_STOPPED: a cancel stopped the copy (no reply sent).
  * KV_SEND_FAILED: landed and done, but the reply could not be sent. Little-endian hosts only
  * (the header's byte order); others decline. */
 int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_t src_base,
-                     uint64_t src_pages, const int32_t *src_runs, uint32_t nruns, int fd,
+                     uint64_t src_size, const int32_t *src_runs, uint32_t nruns, int fd,
                      uint64_t slice_bytes, uint64_t stream_min, int64_t *out) {
     kv_table *t = table;
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -370,8 +370,9 @@ int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_
     for (uint32_t r = 0; ok && r < nruns; r++) {
         int64_t dst = s->spans[2 * r], n = s->spans[2 * r + 1];
         int64_t src = src_runs[2 * r], m = src_runs[2 * r + 1];
-        ok = n > 0 && m == n && src >= 0 && (uint64_t)(src + n) <= src_pages && dst >= 0 &&
-             (uint64_t)((dst + n) * page_bytes) <= p->size;
+        ok = n > 0 && m == n && src >= 0 && dst >= 0 &&
+             (uint64_t)(src + n) * (uint64_t)page_bytes <= src_size &&
+             (uint64_t)(dst + n) * (uint64_t)page_bytes <= p->size;
         total += (uint64_t)n * (uint64_t)page_bytes;
     }
     if (ok) {
