@@ -8,7 +8,8 @@
  *
  * Plain C, no dependencies: one portable build. The widest vector unit the CPU has is chosen at
  * run time (AVX-512, AVX, SSE2); other CPUs get memcpy. Called through ctypes, which releases
- * the GIL for the call.
+ * the GIL for the call. The second half of this file is the receiving agent's native same-host
+ * write (pdserve.kvtransfer.native), which copies with the same routine.
  */
 #include <stddef.h>
 #include <stdint.h>
