@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 from pdserve.common import fastcopy
+from pdserve.common.kv.errors import BadRequest
+from pdserve.common.kv.wire import pack_runs
 from pdserve.common.tickets import TicketKey
 
 ABSENT, ARMED, WRITING, DONE, ABORTED = range(5)  # a ticket's state here (kvcopy.c)
@@ -38,7 +39,6 @@ ENV_OFF = "PDSERVE_NO_NATIVE_RECEIVE"
 
 _i64, _u64, _u32, _ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
 _BOUND: list[ctypes.CDLL] = []  # libraries whose argtypes are set
-_PAIRS = [struct.Struct(f"<{2 * n}i") for n in range(MAX_SPANS + 1)]
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -100,8 +100,8 @@ class NativeReceiver:
             return False
         rid, pid = key.request_id.encode(), pool_id.encode()
         try:
-            packed = _PAIRS[len(spans)].pack(*[x for span in spans for x in span])
-        except struct.error:
+            packed = pack_runs(spans)
+        except BadRequest:
             return False
         return int(self._lib.pdserve_kv_arm(
             self._table, rid, len(rid), key.epoch, handle, gen, pid, len(pid), agent_epoch,
@@ -126,14 +126,10 @@ class NativeReceiver:
         when it cannot (not armed, anything different, runs outside the mapping, malformed)."""
         try:
             n = len(src_runs)
-            if n == 1:
-                (start, count), = src_runs
-                runs = _PAIRS[1].pack(start, count)
-            elif 0 < n <= MAX_SPANS:
-                runs = _PAIRS[n].pack(*[x for start, count in src_runs for x in (start, count)])
-            else:
+            if not 0 < n <= MAX_SPANS:
                 return DECLINED
-        except (TypeError, ValueError, struct.error):
+            runs = pack_runs([(start, count) for start, count in src_runs])
+        except (TypeError, ValueError, BadRequest):
             return DECLINED
         return int(self._lib.pdserve_kv_write(
             self._table, header, len(header), src_address, src_size, runs, n, fd, slice_bytes,

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.common.kv.errors import BadRequest, KvTransferError, LayoutMismatch, from_wire
@@ -84,7 +85,9 @@ def _strings_struct(lengths: tuple[int, ...]) -> struct.Struct:
     return struct.Struct("<" + "".join(f"{n}s" for n in lengths))
 
 
-def _pack_runs(runs: tuple[tuple[int, int], ...]) -> bytes:
+def pack_runs(runs: Sequence[tuple[int, int]]) -> bytes:
+    """(start, n) pairs as a header carries them (int32, little-endian); BadRequest past int32.
+    The native same-host write takes its spans in the same form."""
     try:
         return _runs_struct(len(runs)).pack(*[x for run in runs for x in run])
     except struct.error as exc:
@@ -130,7 +133,7 @@ class WriteHeader:
             raise BadRequest(f"a write header field is out of range: {exc}") from None
         body_len = len(fixed) + sum(map(len, strings))  # the receiver refuses it past the limit
         return b"".join((_PREFIX.pack(MAGIC, VERSION, body_len, len(self.dst_runs)), fixed,
-                         *strings, _pack_runs(self.dst_runs)))
+                         *strings, pack_runs(self.dst_runs)))
 
     @staticmethod
     def size(prefix: bytes) -> int:
