@@ -236,7 +236,7 @@ class Agent:
         write: a kv.receive span (tracing) or a failpoint."""
         if self.native is None or tracing.enabled() or failpoints.active():
             return False
-        return self.native.arm(exp.key, pool.native, pool.pool_id, self.epoch,
+        return self.native.arm(exp.key, pool.native_handle, pool.pool_id, self.epoch,
                                fingerprint_bytes(pool.fingerprint), pool.page_bytes, exp.spans,
                                exp.lease_deadline)
 

@@ -76,7 +76,7 @@ class Pool:
         self._readonly_fd = -1
         # registered for native writes while mapped (its handle, generation); (-1, 0): not
         self._native = native_writes
-        self.native = native_writes.open_pool(self.address, num_pages * page_bytes) \
+        self.native_handle = native_writes.open_pool(self.address, num_pages * page_bytes) \
             if native_writes is not None else (-1, 0)
 
     def pages(self, start: int, num_pages: int) -> np.ndarray:
@@ -99,7 +99,7 @@ class Pool:
         """Unmap (the worker keeps the segment). Views still held elsewhere keep it mapped."""
         self._data = None
         if self._native is not None:  # waits for native writes into it, refuses later ones
-            self._native.close_pool(self.native[0])
+            self._native.close_pool(self.native_handle[0])
         if self._readonly_fd >= 0:
             os.close(self._readonly_fd)
             self._readonly_fd = -1

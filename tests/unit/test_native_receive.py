@@ -52,7 +52,7 @@ class Rig:
 
     def expect(self, pages: list[int], lease_s: float = 30.0, key: TicketKey = KEY) -> None:
         self.book.expect(key, self.pool.pool_id, pages, lease_s, arm=lambda exp: self.native.arm(
-            exp.key, self.pool.native, self.pool.pool_id, EPOCH, fingerprint_bytes(self.fp),
+            exp.key, self.pool.native_handle, self.pool.pool_id, EPOCH, fingerprint_bytes(self.fp),
             self.fp.page_bytes, exp.spans, exp.lease_deadline))
 
     def header(self, runs: tuple[tuple[int, int], ...], **changes: object) -> WriteHeader:
@@ -155,7 +155,7 @@ def test_a_cancelled_expired_closed_or_python_served_ticket_is_not_written_nativ
 
     key = TicketKey("req-4", 1)
     rig.expect([10, 11], key=key)
-    rig.native.close_pool(rig.pool.native[0])  # the pool going away
+    rig.native.close_pool(rig.pool.native_handle[0])  # the pool going away
     assert rig.write(replace(header, ticket=key), [[0, 2]]) == native.DECLINED
     assert not rig.dst.any()
 
@@ -209,12 +209,12 @@ def test_a_cancel_racing_a_native_write_agrees_with_its_answer() -> None:
 
 
 def test_arming_stops_quietly_when_the_table_is_full(rig: Rig) -> None:
-    armed = [rig.native.arm(TicketKey(f"t{i}", 1), rig.pool.native, rig.pool.pool_id, EPOCH,
+    armed = [rig.native.arm(TicketKey(f"t{i}", 1), rig.pool.native_handle, rig.pool.pool_id, EPOCH,
                             fingerprint_bytes(FP), FP.page_bytes, ((i % PAGES, 1),), 1e12)
              for i in range(1100)]
     assert all(armed[:1024]) and not any(armed[1024:])
     for i in range(1024):
         state, _, _ = rig.native.take(TicketKey(f"t{i}", 1))
         assert state == native.ARMED
-    assert rig.native.arm(TicketKey("again", 1), rig.pool.native, rig.pool.pool_id, EPOCH,
+    assert rig.native.arm(TicketKey("again", 1), rig.pool.native_handle, rig.pool.pool_id, EPOCH,
                           fingerprint_bytes(FP), FP.page_bytes, ((0, 1),), 1e12)
