@@ -25,12 +25,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "create a built-in model: pdserve model create tiny|small|bench-7m|bench-152m DIR"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "engine": ("pdserve.engine.bench", "engine decode throughput vs transformers"),
-    "kv": ("pdserve.kvtransfer.bench", "KV handoff throughput per transport vs raw TCP and memcpy"),
-    "handoff": ("pdserve.loadgen.handoff", "the KV handoff through the whole request path, as "
-                                           "the router reports it (one page; long prompts)"),
-    "serve": ("pdserve.loadgen.main", "latency, throughput and goodput of a deployment (gRPC or "
-                                      "OpenAI API), side by side"),
+    "engine": ("pdserve.bench.engine", "engine decode throughput vs transformers"),
+    "kv": ("pdserve.bench.kv", "KV handoff throughput per transport vs raw TCP and memcpy"),
+    "handoff": ("pdserve.bench.loadgen.handoff",
+                "the KV handoff through the whole request path, as the router reports it (one "
+                "page; long prompts)"),
+    "serve": ("pdserve.bench.loadgen.main",
+              "latency, throughput and goodput of a deployment (gRPC or OpenAI API), side by "
+              "side"),
 }
 
 

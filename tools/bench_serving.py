@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.loadgen.handoff import free_port_block, stop_group
-from pdserve.loadgen.report import plots
-from pdserve.loadgen.stats import RequestRecord
+from pdserve.bench.loadgen.handoff import free_port_block, stop_group
+from pdserve.bench.loadgen.report import plots
+from pdserve.bench.loadgen.stats import RequestRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     from pdserve.common.layout import pages_for_tokens
     from pdserve.common.models import resolve_model_name
-    from pdserve.engine.bench import _prompts
+    from pdserve.bench.engine import _prompts
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.model import load_model
     from pdserve.engine.sampling import SamplingParams

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from pdserve.kvtransfer.netns import in_ns, wait_operstate_up
+from pdserve.bench.netns import in_ns, wait_operstate_up
 
 BRIDGE_SUBNET = "10.205.{}.{}"  # bridged hosts
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts NETNS_ETC/NS/* over /etc/*

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pdserve.kvtransfer.baselines import COPIES, VARIANTS, BoundSamples, RawTcp
-from pdserve.kvtransfer.benchreport import MIB, Row, bound_checks, report, targets
+from pdserve.bench.kv_baselines import COPIES, VARIANTS, BoundSamples, RawTcp
+from pdserve.bench.kv_report import MIB, Row, bound_checks, report, targets
 
 pytestmark = pytest.mark.unit
 

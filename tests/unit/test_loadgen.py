@@ -8,11 +8,11 @@ import random
 import statistics
 
 import pytest
-from pdserve.loadgen.arrivals import Arrivals
-from pdserve.loadgen.runner import Plan, run
-from pdserve.loadgen.stats import RequestRecord, Slo, max_rate_at, percentile, summarize
-from pdserve.loadgen.targets import Target
-from pdserve.loadgen.workload import Vocabulary, shapes
+from pdserve.bench.loadgen.arrivals import Arrivals
+from pdserve.bench.loadgen.runner import Plan, run
+from pdserve.bench.loadgen.stats import RequestRecord, Slo, max_rate_at, percentile, summarize
+from pdserve.bench.loadgen.targets import Target
+from pdserve.bench.loadgen.workload import Vocabulary, shapes
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from pdserve.bench.engine_vllm import agreement
 from pdserve.engine import kernels
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.batch import Batch
-from pdserve.engine.bench_vllm import agreement
 
 pytestmark = pytest.mark.unit
 BLOCK = 16

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pdserve.bench.engine_vllm import DEFAULT_VLLM_PYTHON
 from pdserve.common.layout import pages_for_tokens
-from pdserve.engine.bench_vllm import DEFAULT_VLLM_PYTHON
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import PagedCausalLM, load_model, resolve_dtype
 from pdserve.engine.sampling import SamplingParams
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args.model_default = args.model is None
     args.model = args.model or "tiny"
     if args.vs_vllm:
+        from pdserve.bench import engine_vllm as bench_vllm
         from pdserve.common.cpus import parse_cpu_list
-        from pdserve.engine import bench_vllm
 
         cpus = parse_cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
         names = "bench-7m,bench-152m" if args.model_default else args.model

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TextIO
 
-from pdserve.loadgen.arrivals import Arrivals
-from pdserve.loadgen.stats import RequestRecord
-from pdserve.loadgen.targets import Target
-from pdserve.loadgen.workload import Shape, Vocabulary
+from pdserve.bench.loadgen.arrivals import Arrivals
+from pdserve.bench.loadgen.stats import RequestRecord
+from pdserve.bench.loadgen.targets import Target
+from pdserve.bench.loadgen.workload import Shape, Vocabulary
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import urllib.parse
 from abc import ABC, abstractmethod
 
 import grpc
+from pdserve.bench.loadgen.stats import RequestRecord
 from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
-from pdserve.loadgen.stats import RequestRecord
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 COMPONENTS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms", "ttft_ms")

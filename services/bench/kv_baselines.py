@@ -70,7 +70,7 @@ def receiver_main(port_q: mp.Queue[int] | None, host: str, nbytes: int) -> None:
     """The receiving process: one connection per variant, each read straight into a
     pre-faulted buffer (anonymous memory, or a shared segment like a pool's: the kernel copies
     into the latter faster on some machines); a one-byte acknowledgement per handoff. Its
-    port goes to `port_q`, or to stdout (`python -m pdserve.kvtransfer.baselines HOST NBYTES`).
+    port goes to `port_q`, or to stdout (`python -m pdserve.bench.kv_baselines HOST NBYTES`).
     """
     anon = np.empty(max(nbytes, 1), dtype=np.uint8)
     segment = SharedSegment.create(max(nbytes, 1), "raw-tcp")  # the kind of memory pools are

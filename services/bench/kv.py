@@ -1,11 +1,11 @@
 """`pdserve bench kv`: KV handoff time per transport, next to the bounds of the same bytes.
 
 Starts two agents per transport on this host, hands them two pools sized for the longest
-prompt as workers do (benchrig.py), and for each prompt length measures, interleaved rep by
+prompt as workers do (kv_rig.py), and for each prompt length measures, interleaved rep by
 rep: a handoff through each agent pair (the sending agent's `handoff_ms`: ready on P ->
 resident and acknowledged on D; and `rpc ms`, the sending worker's round trip of its call) and
-the two bounds of baselines.py (raw TCP as fast as this machine makes it, and a memory copy into
-a pre-faulted destination). Reports medians, each transport's ratio to each bound, and says
+the two bounds of kv_baselines.py (raw TCP as fast as this machine makes it, and a memory copy
+into a pre-faulted destination). Reports medians, each transport's ratio to each bound, and says
 loudly when a transport beats a bound (then the bound is wrong and must be fixed).
 
 `--netns` (root): the two agents of each pair in two network namespaces joined by a veth, so
@@ -27,12 +27,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
+from pdserve.bench import netns
+from pdserve.bench.kv_baselines import BoundSamples
+from pdserve.bench.kv_report import Row, report, rows
+from pdserve.bench.kv_rig import NetnsPlacement, Placement, Worker
 from pdserve.common.layout import DTYPE_BYTES, LayoutFingerprint, pages_for_tokens
 from pdserve.common.shm import SharedSegment
-from pdserve.kvtransfer import netns
-from pdserve.kvtransfer.baselines import BoundSamples
-from pdserve.kvtransfer.benchreport import Row, report, rows
-from pdserve.kvtransfer.benchrig import NetnsPlacement, Placement, Worker
 
 
 @dataclass
@@ -183,7 +183,7 @@ def _in_namespaces(argv: list[str]) -> int:
     with netns.two_hosts() as link, tempfile.TemporaryDirectory(prefix="pdkv-") as sockets:
         spec = ",".join([link.ns_a, link.ns_b, link.dev_a, link.dev_b, link.ip_a, link.ip_b,
                          sockets])
-        inner = netns.in_ns(link.ns_a, sys.executable, "-m", "pdserve.kvtransfer.bench", *argv,
+        inner = netns.in_ns(link.ns_a, sys.executable, "-m", "pdserve.bench.kv", *argv,
                             "--in-netns", spec)
         return subprocess.run(inner).returncode
 

@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.loadgen.cpu import cpu_seconds
-from pdserve.loadgen.runner import Plan, run
-from pdserve.loadgen.stats import RequestRecord, Slo, summarize
-from pdserve.loadgen.targets import Target
+from pdserve.bench.loadgen.cpu import cpu_seconds
+from pdserve.bench.loadgen.runner import Plan, run
+from pdserve.bench.loadgen.stats import RequestRecord, Slo, summarize
+from pdserve.bench.loadgen.targets import Target
 
 
 @dataclasses.dataclass

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.bench.kv_baselines import RawTcp
+from pdserve.bench.netns import Link, in_ns
 from pdserve.common import localsock
 from pdserve.common.handoff import (
     Destination,
@@ -30,8 +32,6 @@ from pdserve.common.handoff import (
 )
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.shm import SharedSegment
-from pdserve.kvtransfer.baselines import RawTcp
-from pdserve.kvtransfer.netns import Link, in_ns
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 
@@ -181,7 +181,7 @@ class NetnsPlacement(Placement):
     def raw_tcp(self, nbytes: int) -> RawTcp:
         link = self.link
         proc = subprocess.Popen(in_ns(link.ns_b, sys.executable, "-m",
-                                      "pdserve.kvtransfer.baselines", link.ip_b, str(nbytes)),
+                                      "pdserve.bench.kv_baselines", link.ip_b, str(nbytes)),
                                 stdout=subprocess.PIPE)
         assert proc.stdout is not None
         port = int(proc.stdout.readline() or 0)

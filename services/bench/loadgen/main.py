@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.loadgen import report
+from pdserve.bench.loadgen.arrivals import Arrivals
+from pdserve.bench.loadgen.cpu import pid_listening_on
+from pdserve.bench.loadgen.interleave import measure
+from pdserve.bench.loadgen.runner import Plan, run
+from pdserve.bench.loadgen.stats import RequestRecord, Slo, max_rate_at, summarize
+from pdserve.bench.loadgen.targets import Target, make_target
+from pdserve.bench.loadgen.workload import Vocabulary, parse_workload, shapes
 from pdserve.client import add_security_flags, security_from_args
-from pdserve.loadgen import report
-from pdserve.loadgen.arrivals import Arrivals
-from pdserve.loadgen.cpu import pid_listening_on
-from pdserve.loadgen.interleave import measure
-from pdserve.loadgen.runner import Plan, run
-from pdserve.loadgen.stats import RequestRecord, Slo, max_rate_at, summarize
-from pdserve.loadgen.targets import Target, make_target
-from pdserve.loadgen.workload import Vocabulary, parse_workload, shapes
 
 WORKLOAD_HELP = ("fixed:IN,OUT | uniform:IN_LO-IN_HI,OUT_LO-OUT_HI | chat[:IN_MEDIAN,OUT_MEDIAN] "
                  "(long-tailed) | mixed:SHORT,LONG,SHARE,OUT (SHARE of prompts are LONG)")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from pdserve.bench.kv_baselines import BoundSamples, gb_s
 from pdserve.common import fastcopy
-from pdserve.kvtransfer.baselines import BoundSamples, gb_s
 
 MIB = 1 << 20
 NOISE = 1.05  # a transport more than 5% above a bound is reported as beating it

@@ -42,7 +42,7 @@ class VllmEngine:
         env = {k: v for k, v in os.environ.items() if k not in OPENMP_DEFAULTS_SET}
         env.update(VLLM_CPU_OMP_THREADS_BIND=format_cpu_list(cpus),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-        # -P: the script's own directory (pdserve/engine) must not shadow vLLM's imports.
+        # -P: the script's own directory (pdserve/bench) must not shadow vLLM's imports.
         self.proc = subprocess.Popen(
             [str(python), "-P", str(VLLM_SCRIPT), str(model_dir),
              "--max-model-len", str(max_model_len)],
@@ -97,7 +97,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> Agreement:
 
 def run_shape(model: PagedCausalLM, model_dir: Path, vllm: VllmEngine, levels: list[int],
               prompt_tokens: int, output_tokens: int, rounds: int) -> list[dict[str, Any]]:
-    from pdserve.engine.bench import _prompts, run_engine
+    from pdserve.bench.engine import _prompts, run_engine
 
     rows = []
     warm = _prompts(2, prompt_tokens, model.vocab_size)
