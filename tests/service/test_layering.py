@@ -3,6 +3,8 @@
 - `common` imports no engine, worker or service package; the engine imports no grpc, stubs,
   UCX, worker or service package; `worker` (plumbing between engine and gRPC) imports no
   service package; kvtransfer never imports the engine or the worker plumbing.
+- No package that runs in production imports `bench` (benchmarks, their rigs, loadgen): only
+  the CLI (lazily, for `pdserve bench`) and tests do; `bench` itself may import anything.
 - Service packages (router, prefill, decode, kvtransfer, colocated) never import each other.
 - The router imports no torch, engine or worker code, so it starts fast from a small image.
 
@@ -26,14 +28,14 @@ pytestmark = pytest.mark.service
 SERVICES_DIR = Path(__file__).resolve().parents[2] / "services"
 SERVICES = ("router", "prefill", "decode", "kvtransfer", "colocated")
 FORBIDDEN = {  # package -> pdserve packages it must not import
-    "common": {"engine", "worker", *SERVICES},
-    "engine": {"worker", "v1", *SERVICES},
-    "worker": set(SERVICES),
-    "kvtransfer": {"engine", "worker", *(set(SERVICES) - {"kvtransfer"})},
-    "router": {"engine", "worker", *(set(SERVICES) - {"router"})},
-    "prefill": set(SERVICES) - {"prefill"},
-    "decode": set(SERVICES) - {"decode"},
-    "colocated": set(SERVICES) - {"colocated"},
+    "common": {"engine", "worker", "bench", *SERVICES},
+    "engine": {"worker", "v1", "bench", *SERVICES},
+    "worker": {"bench", *SERVICES},
+    "kvtransfer": {"engine", "worker", "bench", *(set(SERVICES) - {"kvtransfer"})},
+    "router": {"engine", "worker", "bench", *(set(SERVICES) - {"router"})},
+    "prefill": {"bench", *(set(SERVICES) - {"prefill"})},
+    "decode": {"bench", *(set(SERVICES) - {"decode"})},
+    "colocated": {"bench", *(set(SERVICES) - {"colocated"})},
 }
 THIRD_PARTY = {  # package -> third-party modules it must not load, even indirectly
     "engine": ("grpc", "ucxx"),
@@ -76,6 +78,17 @@ def test_the_checker_names_an_offending_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from pdserve.engine.model import load_model\n")
     assert pdserve_imports(bad) == [(2, "pdserve.engine.model")]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_the_checker_names_a_benchmark_import(package: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "bad.py").write_text(
+        "import os\n\n\ndef f():\n    from pdserve.bench.kv_baselines import RawTcp\n")
+    monkeypatch.setitem(globals(), "SERVICES_DIR", tmp_path)
+    assert violations(package) == [f"services/{package}/bad.py:5 imports pdserve.bench."
+                                   f"kv_baselines ({package} must not import pdserve.bench)"]
 
 
 PROBE = textwrap.dedent("""
