@@ -7,6 +7,7 @@ never loads torch.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _openmp_defaults()
     if argv and argv[0] == "bench":
+        if importlib.util.find_spec("pdserve.bench") is None:  # the deployment image has none
+            print("pdserve bench: the benchmarks (pdserve.bench) are not installed here; install "
+                  "pdserve from its source tree to run them", file=sys.stderr)
+            return 2
         return _dispatch(BENCHES, "pdserve bench", argv[1:])
     if argv and argv[0] == "model":
         return _dispatch({"model": COMMANDS["model"]}, "pdserve", argv)
