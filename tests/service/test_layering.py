@@ -138,6 +138,9 @@ def test_http_and_protobuf_stay_apart() -> None:
 
 
 # --- No import cycles: no module imports a module that imports it back, at any distance. ---
+# Imports inside functions and under `if TYPE_CHECKING:` count too: when two modules need
+# each other, one receives what it needs as a callable or a small Protocol (declared in its own
+# module or a third one), as kvtransfer's sender and sinks hold their agent (owner.py).
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -238,3 +241,30 @@ def test_the_checker_names_a_cycle(tmp_path: Path) -> None:
         "pdserve.a.one <-> pdserve.a.three <-> pdserve.a.two: "
         f"{root}/a/one.py:1 imports pdserve.a.two; {root}/a/three.py:3 imports pdserve.a.one; "
         f"{root}/a/two.py:5 imports pdserve.a.three"]
+
+
+# --- Files that fit on a few screens: no module over MAX_MODULE_LINES (generated stubs aside).
+
+MAX_MODULE_LINES = 400
+
+
+def long_modules(root: Path, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """`services/x/y.py: N lines` for every module under `root` longer than `limit`, except the
+    generated stubs in v1/."""
+    return [f"{path.relative_to(root.parent)}: {n} lines (limit {limit})"
+            for path in sorted(root.rglob("*.py"))
+            if path.relative_to(root).parts[0] != "v1"
+            and (n := len(path.read_text().splitlines())) > limit]
+
+
+def test_modules_fit_in_400_lines() -> None:
+    assert long_modules(SERVICES_DIR) == []
+
+
+def test_the_size_check_names_a_long_module(tmp_path: Path) -> None:
+    root = tmp_path / "services"
+    (root / "v1").mkdir(parents=True)
+    (root / "v1" / "big_pb2.py").write_text("x = 1\n" * 500)
+    (root / "short.py").write_text("x = 1\n" * 400)
+    (root / "long.py").write_text("x = 1\n" * 401)
+    assert long_modules(root) == ["services/long.py: 401 lines (limit 400)"]
