@@ -34,7 +34,8 @@ lint: venv
 	$(BIN)/ruff check services tests
 	@mkdir -p build/typecheck && ln -sfn ../../services build/typecheck/pdserve
 	MYPYPATH=build/typecheck $(BIN)/mypy $(addprefix -p pdserve.,$(TYPED)) \
-	    -m pdserve.up -m pdserve.cli -m pdserve.client -m pdserve.certs -m pdserve.demo
+	    -m pdserve.up -m pdserve.processes -m pdserve.cli -m pdserve.client -m pdserve.certs \
+	    -m pdserve.demo
 
 # On demand (not in `make test`): 80% of measured capacity for SOAK_MINUTES, RSS of every
 # process and free pages of every worker sampled; fails unless they stay flat (docs/faults.md).

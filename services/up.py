@@ -14,29 +14,25 @@ router's public API ask for one of FILE's keys (see docs/security.md).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.certs import CertPaths, create
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
-from pdserve.common.health import wait_serving
 from pdserve.common.models import DEFAULT_MODEL
 from pdserve.common.security import ChannelSecurity
+from pdserve.processes import Proc, Stack
 
 OTLP_ENDPOINT = re.compile(r"(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?")
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -140,17 +136,6 @@ class UpConfig:
         return self.metrics_port + offset if self.metrics_port > 0 else self.metrics_port
 
 
-@dataclass
-class Proc:
-    name: str
-    address: str
-    argv: list[str]
-    metrics_port: int = -1
-    cpus: list[int] | None = None  # pinned to these cores (None: wherever the OS runs it)
-    popen: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
-
-
 def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     """The processes in start order (agents, workers, router), each with its metrics port
     (and its certificates, API keys)."""
@@ -229,90 +214,8 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     return procs
 
 
-class Stack:
-    def __init__(self, procs: list[Proc], log_dir: Path, env: dict[str, str] | None = None,
-                 security: ChannelSecurity | None = None):
-        self.procs = procs
-        self.log_dir = log_dir
-        self.security = security
-        self.env = {**os.environ, **(env or {})}  # every process's environment
-
-    def start(self, timeout_s: float) -> None:
-        for p in self.procs:
-            p.log = self.log_dir / f"{p.name}.log"
-            with open(p.log, "wb") as out:
-                p.popen = subprocess.Popen(p.argv, stdout=out, stderr=subprocess.STDOUT,
-                                           env=self.env, start_new_session=True,
-                                           preexec_fn=_child_setup(p.cpus))
-        for p in self.procs:  # all start at once; wait in dependency order
-            print(f"  waiting for {p.name:<12} {p.address} ...", end="", flush=True)
-            try:
-                wait_serving(p.address, timeout_s, p.popen, security=self.security)
-            except (TimeoutError, RuntimeError) as exc:
-                print(" failed")
-                raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of "
-                                   f"{p.log} ---\n{self.tail(p)}") from None
-            print(" serving", flush=True)
-
-    def tail(self, p: Proc, lines: int = 25) -> str:
-        if p.log is None:
-            return ""
-        try:
-            return "\n".join(p.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def exited(self) -> list[Proc]:
-        return [p for p in self.procs if p.popen and p.popen.poll() is not None]
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM tier by tier: the router, then every worker at once, then the agents (so
-        handoffs in flight can finish), each tier within `timeout_s`; SIGKILL leftovers."""
-        for tier in (0, 1, 2):
-            procs = [p for p in self.procs if p.popen and _stop_tier(p.name) == tier]
-            for p in procs:
-                if p.popen and p.popen.poll() is None:
-                    _signal_group(p.popen, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for p in procs:
-                assert p.popen is not None
-                try:
-                    p.popen.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-                _signal_group(p.popen, signal.SIGKILL)
-                p.popen.wait()
-
-
-def _stop_tier(name: str) -> int:
-    """When a process stops: the router (0), the workers (1), the kvtransfer agents (2)."""
-    role = name.partition("-")[0]
-    return 0 if role == "router" else 2 if role == "kvtransfer" else 1
-
-
-def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
-    """In the child, before it runs: its cores, and SIGTERM if `pdserve up` itself dies, even
-    by SIGKILL (Linux)."""
-    def setup() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
-    return setup
-
-
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:

@@ -5,27 +5,26 @@ copy, a local copy) hands incoming writes to.
 destination agent's epoch, the pool, its layout and page size, the ticket's lease and its
 reserved pages) and opens the write; `finish` closes it (every byte resident, or not) and
 counts it under the data path's name. Nothing is written before `accept` returned.
+
+A sink holds its agent as a `ReceivingAgent` (owner.py): what it reads, not the agent module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pdserve.common import failpoints
 from pdserve.common.kv.errors import BadRequest, StaleEpoch, cause
 from pdserve.common.kv.runs import check_page_ids, check_spans
 from pdserve.common.kv.wire import WriteHeader, expect_same
+from pdserve.kvtransfer.owner import ReceivingAgent
 from pdserve.kvtransfer.transport import IncomingWrite
-
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.agent import Agent
 
 
 class AgentSink:
     """The agent's checks and bookkeeping for writes arriving over one data path."""
 
-    def __init__(self, agent: Agent, transport: str):
+    def __init__(self, agent: ReceivingAgent, transport: str):
         self._agent = agent
         self.transport = transport
 
@@ -73,7 +72,7 @@ class AgentSink:
             agent.metrics.failed("incomplete", "receive")
 
 
-def count_received(agent: Agent, transport: str, header: WriteHeader) -> None:
+def count_received(agent: ReceivingAgent, transport: str, header: WriteHeader) -> None:
     """A write that landed whole, in the agent's byte counters."""
     agent.metrics.received(transport, header.kv_bytes, sum(n for _, n in header.dst_runs),
                            header.sender)

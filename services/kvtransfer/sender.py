@@ -5,6 +5,8 @@ receiver copies out of this pool; otherwise the network transport (UCX or TCP), 
 retry on a fresh connection when nothing was accepted yet and the peer's liveness checked
 while it waits. Every path builds the same write header (ticket, destination epoch and pool,
 layout, runs) that the receiving side checks before a byte lands.
+
+The sender holds its agent as a `SendingAgent` (owner.py): what it reads, not the agent module.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from pdserve.common import failpoints, fastcopy, tracing
 from pdserve.common.handoff import Destination, TransferReport
@@ -30,12 +31,10 @@ from pdserve.common.kv.runs import PageRun, check_spans, coalesce
 from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
 from pdserve.common.logs import outcome
 from pdserve.common.tickets import TicketKey
+from pdserve.kvtransfer.owner import SendingAgent
 from pdserve.kvtransfer.peers import PeerInfo
 from pdserve.kvtransfer.pool import Pool
 from pdserve.kvtransfer.receive import AgentSink, check_pages
-
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.agent import Agent
 
 log = logging.getLogger("pdserve.kvtransfer")
 LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a sender gives up
@@ -44,7 +43,7 @@ LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a send
 class Sender:
     """`Agent.send_pages` (thread-safe: it keeps no state of its own)."""
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: SendingAgent):
         self._agent = agent
 
     def send_pages(self, key: TicketKey, src_pool_id: str, src_page_ids: Sequence[int],

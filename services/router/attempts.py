@@ -14,9 +14,9 @@ a late Abort of a failed attempt can never hit the retry's reservation, and a cl
 its id at once or for two requests at the same time.
 
 The reservation's state lives on the decode worker (its lease book); the router holds only a
-`ReservationHandle` to release it, and, from Reserve until the decode stream has started, keeps
-its lease alive with a heartbeat (renewal.py): a long prefill keeps its pages, and when this
-router dies they come back within one `renew_lease_s`.
+`ReservationHandle` (reservation.py) to release it, and, from Reserve until the decode stream
+has started, keeps its lease alive with a heartbeat (renewal.py): a long prefill keeps its
+pages, and when this router dies they come back within one `renew_lease_s`.
 
 Every wait on a peer is bounded and its error names the peer and the phase: Reserve
 (`reserve_timeout_s`), Prefill, which covers the prefill worker's queue, its compute and the
@@ -43,9 +43,10 @@ from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.placement import rank_decode, rank_prefill
 from pdserve.router.pool import Worker, WorkerPool
 from pdserve.router.renewal import LeaseKeeper
+from pdserve.router.reservation import ReservationHandle
 from pdserve.router.validation import Generation
 from pdserve.router.watchdog import Watchdog
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.router")
 
@@ -54,81 +55,6 @@ RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"})
 # did not hold. Nothing was streamed, so another attempt is still allowed.
 DECODE_START_RETRYABLE = RETRYABLE | {"FAILED_PRECONDITION"}
 LEASE_MARGIN_S = 10.0  # decode leases = the prefill deadline + this
-
-
-class ReservationHandle:
-    """The router's handle on pages reserved for it on a decode worker: the ticket to quote
-    and a way to give them back. `release` (Decode.Abort) runs at most once; `settle` marks
-    the sequence finished by decode itself, so nothing is left to free."""
-
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str,
-                 reply: decode_pb2.ReserveResponse, abort_timeout_s: float,
-                 on_done: Callable[[], None] = lambda: None,
-                 keeper: LeaseKeeper | None = None):
-        self.stub = stub
-        self.address = address
-        self.ticket: common_pb2.Ticket = reply.ticket
-        self.destination: common_pb2.KVDestination = reply.destination
-        self.not_held = False  # a renewal found the reservation gone from the worker
-        self._abort_timeout_s = abort_timeout_s
-        self._on_done = on_done  # once: settled, or its Abort answered (the worker is free)
-        self._lock = threading.Lock()
-        self._done = False
-        # Renewed while held, when the worker took a renewable lease (older ones do not).
-        self._keeper = keeper if keeper is not None and reply.renew_lease_ms > 0 else None
-        if self._keeper is not None:
-            self._keeper.hold(self)
-
-    def mark_not_held(self) -> None:
-        self.not_held = True
-
-    def stop_renewing(self) -> None:
-        """The decode stream started (the worker adopted the pages) or the handle is done."""
-        if self._keeper is not None:
-            self._keeper.drop(self)
-
-    @property
-    def worker(self) -> str:
-        """The decode worker's own name when it gave one, else its address."""
-        return self.ticket.decode_worker or self.address
-
-    def settle(self) -> None:
-        self.stop_renewing()
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-        self._on_done()
-
-    def release(self, reason: str, *, wait: bool = True) -> None:
-        """Abort the ticket on the decode worker (frees its pages). Errors are logged only."""
-        self.stop_renewing()
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-        future = self.stub.Abort.future(decode_pb2.AbortRequest(ticket=self.ticket, reason=reason),
-                                        timeout=self._abort_timeout_s)
-        if wait:
-            _log_abort(self, future)
-            self._on_done()
-        else:
-            future.add_done_callback(self._aborted)
-
-    def _aborted(self, future: grpc.Future) -> None:
-        _log_abort(self, future)
-        self._on_done()
-
-    def release_nowait(self) -> None:
-        self.release("client cancelled", wait=False)
-
-
-def _log_abort(reservation: ReservationHandle, future: grpc.Future) -> None:
-    try:
-        future.result()
-    except grpc.RpcError as exc:
-        log.warning("Abort of %s on decode %s failed: %s %s", reservation.ticket.request_id,
-                    reservation.address, exc.code().name, exc.details())
 
 
 def _release_when_done(pool: WorkerPool, worker: Worker, _future: grpc.Future) -> None:

@@ -1,12 +1,15 @@
 """One call on the kvtransfer agent's local socket (`Call`, cancellable from another thread),
 a handoff (`Send`), and a decode worker's write windows (`AgentWindow`, the lease book's
-`WriteWindow`). The agent's errors come back as ServiceError with the agent's status code."""
+`WriteWindow`). The agent's errors come back as ServiceError with the agent's status code.
+
+`AgentClient` (agent_client.py) builds these and hands them itself, held here as the two
+protocols below: what a call and a window use of it, so this module never imports it back."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pdserve.common import localsock
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
@@ -14,14 +17,39 @@ from pdserve.common.handoff import TransferReport, report_from_json, ticket_to_j
 from pdserve.common.tickets import TicketKey
 from pdserve.worker.leases import WindowClosed
 
-if TYPE_CHECKING:
-    from pdserve.worker.agent_client import AgentClient
+
+class Connections(Protocol):
+    """The client's pool of connections to the agent's local socket, as a call uses it."""
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def checkout(self) -> socket.socket:
+        """An idle connection, or a new one; raises Unavailable."""
+        ...
+
+    def checkin(self, conn: socket.socket, reusable: bool) -> None:
+        """Give the connection back: kept for the next call if `reusable`, else closed."""
+        ...
+
+
+class Caller(Protocol):
+    """The client as a write window uses it: calls on the agent for its registered pool."""
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def pool_id(self) -> str: ...
+
+    def call(self, message: dict[str, Any], what: str,
+             timeout_s: float | None = None) -> dict[str, Any]: ...
 
 
 class Call:
     """One request/reply on the agent's local socket; `cancel()` (any thread) abandons it."""
 
-    def __init__(self, client: AgentClient, message: dict[str, Any], what: str,
+    def __init__(self, client: Connections, message: dict[str, Any], what: str,
                  timeout_s: float | None):
         self._client = client
         self._message = message
@@ -96,7 +124,7 @@ class Send:
 class AgentWindow:
     """A decode worker's write windows on its agent (the lease book's `WriteWindow`)."""
 
-    def __init__(self, agent: AgentClient):
+    def __init__(self, agent: Caller):
         self._agent = agent
 
     def open(self, key: TicketKey, page_ids: list[int], lease_s: float) -> None:
