@@ -13,6 +13,14 @@ Out of pages: new sequences wait (FIFO). A running sequence that needs a page wh
 free preempts the most recently admitted running sequence: its pages are freed and it goes
 back to the front of the waiting queue, to be recomputed (prefill over all its tokens) when
 pages free up. The engine is not thread-safe: one thread owns it.
+
+Prefix cache (on unless `prefix_caching=False`): every full page whose KV is computed (or,
+on decode, has landed) is named by its chained key (`engine/prefix.py`) and stays in the
+pool after its sequence ends, unreferenced, until an allocation needs room (LRU). A new
+sequence takes the longest cached run of its leading pages, shared and never written, and
+computes from there; at least its last token is always computed (its logits give the next
+token). A decode reservation likewise pins the leading pages it already holds, so only the
+rest has to be shipped to it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.batch import Batch
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
+from pdserve.engine.prefix import page_keys, root_key
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
 
@@ -41,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = 256        # running sequences in one decode batch
     chunk_size: int = 512          # prompt tokens of one sequence per prefill step
     max_prefill_tokens: int = 2048  # prompt tokens of all sequences per prefill step
+    prefix_caching: bool = True    # keep full pages for reuse by later prompts
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -57,7 +67,10 @@ class Engine:
         self.config = config
         self.device = torch.device(device)
         self.pool = KVPool(model.fingerprint(config.block_size), config.num_pages, device)
-        self.allocator = PageAllocator(config.num_pages)
+        self.allocator = PageAllocator(config.num_pages, caching=config.prefix_caching)
+        self.root_key = root_key(self.pool.fingerprint)
+        self.num_prompt_tokens_seen = 0  # prompt tokens admitted (prefix-cache hit rate)
+        self.num_prompt_tokens_hit = 0   # ... of which the cache supplied
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -109,14 +122,37 @@ class Engine:
         OutOfPages when the pages are not free, or when `max_num_seqs` sequences are already
         running, waiting or reserved.
         """
+        return self.reserve_prompt(owner, [0] * num_prompt_tokens, lookup=False)[1]
+
+    def reserve_prompt(self, owner: Hashable, prompt_ids: list[int], *,
+                       lookup: bool = True) -> tuple[int, list[int]]:
+        """`reserve` for a known prompt: the leading full pages this pool already holds
+        (never the page of the prompt's last token) are pinned under `owner` first, and only
+        the rest is newly allocated. Returns (cached pages, the new page ids): the handoff
+        has to fill only the new ones."""
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
         live = len(self.running) + len(self.waiting) + self.num_reserved
         if live >= self.config.max_num_seqs:
             raise OutOfPages(f"{live} sequences running or reserved (max_num_seqs "
                              f"{self.config.max_num_seqs})")
-        return self.allocator.allocate(owner, pages_for_tokens(num_prompt_tokens,
-                                                               self.config.block_size))
+        hits = self._lookup(prompt_ids, []) if lookup else []
+        need = pages_for_tokens(len(prompt_ids), self.config.block_size) - len(hits)
+        if not self.allocator.can_take(hits, need):
+            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} of "
+                             f"{self.allocator.num_pages} free")
+        self.allocator.share(owner, hits)
+        return len(hits), self.allocator.allocate(owner, need)
+
+    def _lookup(self, token_ids: list[int], keys: list[int]) -> list[int]:
+        """Cached pages of the longest run of leading full pages of `token_ids`, leaving at
+        least the last token to compute; `keys` (the sequence's known keys) is extended."""
+        if not self.config.prefix_caching:
+            return []
+        bs = self.config.block_size
+        max_pages = (len(token_ids) - 1) // bs
+        page_keys(self.root_key, token_ids, bs, max_pages, keys)
+        return self.allocator.lookup(keys[:max_pages], token_ids, bs)
 
     @property
     def num_reserved(self) -> int:
@@ -153,6 +189,7 @@ class Engine:
         seq = Sequence(seq_id, [*prompt_ids, first_token], len(prompt_ids), params,
                        make_generator(params, self.device), num_cached=len(prompt_ids))
         self.seqs[seq_id] = seq
+        self._cache_full_pages(seq)  # the prompt's pages landed: reusable from now on
         reason = self._finish_reason(seq)
         if reason:
             self._finish(seq, reason)
@@ -205,18 +242,52 @@ class Engine:
         for seq in self.waiting:
             if budget <= 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
                 break
-            chunk = min(seq.num_tokens - seq.num_cached, self.config.chunk_size, budget)
             # All pages of the sequence's tokens at its first chunk, or none: sequences that
             # each hold part of what they need could otherwise wait on each other forever.
-            need = max(0, pages_for_tokens(seq.num_tokens, self.config.block_size)
-                       - self.allocator.num_pages_of(seq.seq_id))
-            if not self.allocator.can_allocate(need):
-                break  # FIFO: later prompts do not overtake the head of the queue
-            self.allocator.allocate(seq.seq_id, need)
+            if not self.allocator.owns(seq.seq_id):
+                if not self._admit(seq):
+                    break  # FIFO: later prompts do not overtake the head of the queue
+            else:
+                need = max(0, pages_for_tokens(seq.num_tokens, self.config.block_size)
+                           - self.allocator.num_pages_of(seq.seq_id))
+                if not self.allocator.can_allocate(need):
+                    break
+                self.allocator.allocate(seq.seq_id, need)
+            chunk = min(seq.num_tokens - seq.num_cached, self.config.chunk_size, budget)
             plan.append((seq, chunk))
             budget -= chunk
             live += 1
         return plan
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Pages for a sequence that holds none: cached leading pages shared, the rest new.
+        False (nothing taken) when they do not fit now."""
+        hits = self._lookup(seq.token_ids, seq.page_keys)
+        need = pages_for_tokens(seq.num_tokens, self.config.block_size) - len(hits)
+        if not self.allocator.can_take(hits, need):
+            return False
+        self.allocator.share(seq.seq_id, hits)
+        self.allocator.allocate(seq.seq_id, need)
+        seq.num_cached = len(hits) * self.config.block_size
+        seq.num_keyed = len(hits)
+        if seq.num_generated == 0:  # not a recompute after preemption
+            seq.num_prefix_hit = seq.num_cached
+            self.num_prompt_tokens_seen += seq.num_tokens
+            self.num_prompt_tokens_hit += seq.num_cached
+        return True
+
+    def _cache_full_pages(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed full pages to the prefix cache."""
+        bs = self.config.block_size
+        full = seq.num_cached // bs
+        if full <= seq.num_keyed or not self.config.prefix_caching:
+            return
+        keys = page_keys(self.root_key, seq.token_ids, bs, full, seq.page_keys)
+        pages = self.allocator.pages_of(seq.seq_id)
+        for i in range(seq.num_keyed, min(full, len(pages))):
+            self.allocator.cache(pages[i], keys[i], keys[i - 1] if i else 0,
+                                 seq.token_ids[i * bs:(i + 1) * bs])
+        seq.num_keyed = full
 
     def _run(self, decodes: list[Sequence], plan: list[tuple[Sequence, int]]
              ) -> list[StepOutput]:
@@ -236,6 +307,7 @@ class Engine:
         logits = self.model(batch, self.pool.tensor)
         for seq, n in plan:
             seq.num_cached += n
+            self._cache_full_pages(seq)
         finished = [i for i, (seq, _) in enumerate(plan) if seq.num_cached == seq.num_tokens]
         rows = list(range(len(decodes))) + [len(decodes) + i for i in finished]
         seqs = decodes + [plan[i][0] for i in finished]
@@ -248,11 +320,14 @@ class Engine:
         outputs: list[StepOutput] = []
         for seq, token in zip(decodes, tokens):
             seq.num_cached = seq.num_tokens
+            if seq.num_cached // self.config.block_size > seq.num_keyed:
+                self._cache_full_pages(seq)
             outputs.append(self._append(seq, token, ms, prefill=False))
         for seq, token in zip(seqs[len(decodes):], tokens[len(decodes):]):
             self.waiting.remove(seq)
             out = self._append(seq, token, ms, prefill=True)
             out.prefill_ms = (end - (seq.prefill_started_at or start)) * 1e3
+            out.cached_tokens = seq.num_prefix_hit
             out.done_at = end
             seq.prefill_started_at = None  # a recompute after preemption measures anew
             outputs.append(out)
@@ -289,7 +364,7 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.allocator.free(seq.seq_id)
-        seq.num_cached = 0
+        seq.num_cached = seq.num_keyed = 0
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             seq.status = Status.WAITING

@@ -10,76 +10,14 @@ pools yet.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
-
 import torch
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.shm import SharedSegment
+from pdserve.engine.allocator import OutOfPages, PageAllocator
+
+__all__ = ["DTYPES", "KVPool", "OutOfPages", "PageAllocator"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-
-class OutOfPages(RuntimeError):
-    """Raised when an allocation needs more free pages than the pool has."""
-
-
-class PageAllocator:
-    """Hands out page ids to owners (a sequence id or a reservation ticket).
-
-    Ownership is explicit: pages are freed per owner and return to the free list exactly
-    once, so after any mix of finished, aborted and failed requests `num_free` is back at
-    `num_pages`.
-    """
-
-    def __init__(self, num_pages: int):
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be > 0, got {num_pages}")
-        self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
-        self._owned: dict[Hashable, list[int]] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, owner: Hashable, n: int) -> list[int]:
-        """Give `owner` n more pages (appended to what it holds); returns the new ids."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} of {self.num_pages} free")
-        pages = [self._free.popleft() for _ in range(n)]
-        self._owned.setdefault(owner, []).extend(pages)
-        return pages
-
-    def pages_of(self, owner: Hashable) -> list[int]:
-        return list(self._owned.get(owner, ()))
-
-    def num_pages_of(self, owner: Hashable) -> int:
-        return len(self._owned.get(owner, ()))
-
-    def owners(self) -> list[Hashable]:
-        return list(self._owned)
-
-    def owns(self, owner: Hashable) -> bool:
-        return owner in self._owned
-
-    def transfer(self, owner: Hashable, new_owner: Hashable) -> None:
-        """Hand every page of `owner` to `new_owner` (a reservation becoming a sequence)."""
-        if new_owner in self._owned:
-            raise ValueError(f"{new_owner!r} already owns pages")
-        self._owned[new_owner] = self._owned.pop(owner)
-
-    def free(self, owner: Hashable) -> int:
-        """Return every page of `owner` to the free list; a second call frees nothing."""
-        pages = self._owned.pop(owner, [])
-        self._free.extend(pages)
-        return len(pages)
 
 
 class KVPool:

@@ -27,6 +27,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     prefill_started_at: float | None = None  # perf_counter when its first prompt chunk ran
+    page_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache keys so far
+    num_keyed: int = 0           # leading pages already offered to the prefix cache
+    num_prefix_hit: int = 0      # prompt tokens found in the prefix cache at admission
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +57,7 @@ class StepOutput:
     compute_ms: float = 0.0
     prefill_ms: float = 0.0            # on a prefill's output: first chunk start -> token sampled
     done_at: float = 0.0               # prefill role: perf_counter when the step ended (KV ready)
+    cached_tokens: int = 0             # on a prefill's output: prompt tokens the cache supplied
 
     @property
     def progress(self) -> bool:

@@ -44,11 +44,12 @@ def test_colocated_prompt_longer_than_a_chunk_fills_its_reservation(tiny):
 
 
 def test_chunked_prompts_that_do_not_fit_together_take_turns_instead_of_deadlocking(tiny):
-    # 4 pages of 16 tokens; prompts of 3 and 4 pages, chunked by 16: each alone fits.
+    # 4 pages of 16 tokens; prompts of 3 and 4 pages (no page in common), chunked by 16:
+    # each alone fits.
     engine = _engine(tiny, role="prefill", num_pages=4, chunk_size=16)
     try:
         engine.add_request("a", list(range(5, 53)), GREEDY)
-        engine.add_request("b", list(range(5, 68)), GREEDY)
+        engine.add_request("b", list(range(6, 69)), GREEDY)
         first = _step_until(engine, lambda o: len(o) == 1)
         assert first[0].seq_id == "a" and not engine.stalled
         engine.step()
