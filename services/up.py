@@ -54,6 +54,8 @@ class UpConfig:
                                           "while the next chunk computes (off: all after the "
                                           "last chunk)")
     colocated: bool = option(False, "one co-located engine instead of prefill + decode workers")
+    prefix_cache: bool = option(True, "every worker keeps full KV pages for reuse by later "
+                                      "prompts with the same prefix (--no-prefix-cache: off)")
     port: int = option(50051, "router port")
     http_port: int = option(8000, "router's OpenAI-compatible HTTP port (0 = any free port, "
                                   "-1 = off)")
@@ -180,7 +182,8 @@ def metrics_offset(name: str) -> int:
 
 def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     py = [sys.executable, "-m"]
-    worker_common = ["--model", cfg.model, "--kv-cache-mb", str(cfg.kv_cache_mb)]
+    worker_common = ["--model", cfg.model, "--kv-cache-mb", str(cfg.kv_cache_mb),
+                     *([] if cfg.prefix_cache else ["--no-prefix-cache"])]
     procs: list[Proc] = []
     if cfg.colocated:
         addr = f"127.0.0.1:{cfg.colocated_port}"

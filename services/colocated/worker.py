@@ -58,13 +58,16 @@ class ColocatedWorker:
 
     # ---- the Decode API's reservation, then the Prefill API ---------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
-                renew_s: float = 0.0) -> Reservation:
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None) -> Reservation:
         if not self.admitting:
             raise Unavailable(f"co-located worker {self.worker_id} is draining")
-        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s)
+        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
+                                    prompt_ids)
         return Reservation(lease.key, Destination("local", 0, self.pool_id,
                                                   tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint), lease.renew_s)
+                                                  self.engine.pool.fingerprint,
+                                                  lease.cached_pages, lease.boundary_key),
+                           lease.renew_s, lease.cached_pages * self.engine.config.block_size)
 
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
         return self.leases.renew(keys, renew_s)
@@ -97,8 +100,9 @@ class ColocatedWorker:
             with self._lock:
                 self._streams[rid] = outputs
         queue_ms = max(0.0, (time.perf_counter() - received) * 1e3 - out.prefill_ms)
+        self.metrics.note_prompt(len(request.token_ids), out.cached_tokens)
         return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
-                             TransferReport(transport="local"))
+                             TransferReport(transport="local"), out.cached_tokens)
 
     def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]:
         rid = request.ticket.request_id
@@ -136,7 +140,8 @@ class ColocatedWorker:
         e = self.engine
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
-                           e.pool.fingerprint, reserved_tickets=len(self.leases))
+                           e.pool.fingerprint, reserved_tickets=len(self.leases),
+                           cached_pages=e.allocator.num_cached)
 
     def stop(self) -> None:
         self.admitting = False

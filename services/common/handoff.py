@@ -25,6 +25,11 @@ class Destination:
     pool_id: str
     page_ids: tuple[int, ...]
     fingerprint: LayoutFingerprint | None
+    # Prefix reuse: the decode side holds the prompt's first `first_page` pages already, so
+    # page_ids[i] receives prompt page first_page + i; `boundary_key` is the prefix-cache key
+    # of page first_page - 1 (0 when first_page is 0), for the sender to check.
+    first_page: int = 0
+    boundary_key: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,13 +79,15 @@ def _fingerprint(**fields: Any) -> LayoutFingerprint:
 def destination_to_json(d: Destination) -> dict[str, Any]:
     return {"agent_address": d.agent_address, "agent_epoch": d.agent_epoch,
             "pool_id": d.pool_id, "page_ids": list(d.page_ids),
-            "fingerprint": fingerprint_to_json(d.fingerprint)}
+            "fingerprint": fingerprint_to_json(d.fingerprint), "first_page": d.first_page,
+            "boundary_key": d.boundary_key}
 
 
 def destination_from_json(obj: Any) -> Destination:
     return Destination(str(obj["agent_address"]), int(obj["agent_epoch"]), str(obj["pool_id"]),
                        tuple(int(p) for p in obj["page_ids"]),
-                       fingerprint_from_json(obj.get("fingerprint")))
+                       fingerprint_from_json(obj.get("fingerprint")),
+                       int(obj.get("first_page", 0)), int(obj.get("boundary_key", 0)))
 
 
 def report_to_json(r: TransferReport) -> dict[str, Any]:

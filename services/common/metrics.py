@@ -149,7 +149,20 @@ class WorkerMetrics:
                                 "reason (stop, length, abort)", ("reason",), registry=r)
         self.lease_expiries = Counter("pdserve_lease_expiries", "reservations reclaimed because "
                                       "their KV handoff never came", registry=r)
+        self.queried_tokens = Counter("pdserve_prefix_cache_queried_tokens", "prompt tokens "
+                                      "looked up in this worker's prefix cache", registry=r)
+        self.hit_tokens = Counter("pdserve_prefix_cache_hit_tokens", "prompt tokens this "
+                                  "worker's prefix cache held (not computed, not received); "
+                                  "hit rate = hit / queried", registry=r)
+        self.pages_not_sent = Counter("pdserve_kv_pages_not_sent", "prompt pages not shipped to "
+                                      "decode because the decode worker held them", registry=r)
+        self.bytes_not_sent = Counter("pdserve_kv_bytes_not_sent", "KV bytes of those pages",
+                                      registry=r)
         r.register(_StatsCollector(role, stats))
+
+    def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.queried_tokens.inc(prompt_tokens)
+        self.hit_tokens.inc(cached_tokens)
 
 
 class AgentMetrics:
@@ -209,7 +222,9 @@ class AgentMetrics:
 
 _STATS_GAUGES = (  # (metric, stats() attribute, help)
     ("pdserve_kv_pages_capacity", "num_pages", "KV pages in the worker's pool"),
-    ("pdserve_kv_pages_free", "free_pages", "KV pages on the free list"),
+    ("pdserve_kv_pages_free", "free_pages", "KV pages an allocation can take (free, or "
+     "cached and unreferenced)"),
+    ("pdserve_prefix_cache_pages", "cached_pages", "KV pages holding a prefix-cache key"),
     ("pdserve_running_sequences", "running_sequences", "sequences in the running batch"),
     ("pdserve_waiting_sequences", "waiting_sequences", "queue depth: sequences waiting to run"),
     ("pdserve_queued_prompt_tokens", "queued_prompt_tokens", "prompt tokens still to prefill"),

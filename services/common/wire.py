@@ -60,15 +60,18 @@ def fingerprint_from_pb(pb: common_pb2.LayoutFingerprint) -> LayoutFingerprint |
 def destination_to_pb(dest: Destination) -> common_pb2.KVDestination:
     pb = common_pb2.KVDestination(agent_address=dest.agent_address,
                                   agent_epoch=dest.agent_epoch, pool_id=dest.pool_id,
-                                  page_ids=list(dest.page_ids))
+                                  page_ids=list(dest.page_ids), first_page=dest.first_page,
+                                  boundary_key=dest.boundary_key)
     if dest.fingerprint is not None:
         pb.fingerprint.CopyFrom(fingerprint_to_pb(dest.fingerprint))
     return pb
 
 
 def destination_from_pb(pb: common_pb2.KVDestination) -> Destination:
+    if pb.first_page < 0:
+        raise InvalidArgument(f"destination.first_page={pb.first_page}: must be >= 0")
     return Destination(pb.agent_address, pb.agent_epoch, pb.pool_id, tuple(pb.page_ids),
-                       fingerprint_from_pb(pb.fingerprint))
+                       fingerprint_from_pb(pb.fingerprint), pb.first_page, pb.boundary_key)
 
 
 def report_to_pb(report: TransferReport) -> common_pb2.TransferReport:

@@ -62,17 +62,22 @@ class DecodeWorker:
         self.pool_id, self.agent_epoch = pool_id, agent_epoch
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
-                renew_s: float = 0.0) -> Reservation:
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None) -> Reservation:
         if not self.admitting or self.leases is None:
             raise Unavailable(f"decode worker {self.worker_id} is "
                               f"{'draining' if self.leases else 'starting'}")
         if request_id in self.engine.seqs:
             raise InvalidArgument(f"request {request_id} is already decoding on {self.worker_id}")
-        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s)
+        lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
+                                    prompt_ids)
+        cached_tokens = lease.cached_pages * self.engine.config.block_size
+        if prompt_ids:
+            self.metrics.note_prompt(num_prompt_tokens, cached_tokens)
         return Reservation(lease.key, Destination(self.agent_address, self.agent_epoch,
                                                   self.pool_id, tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint),
-                           lease.renew_s)
+                                                  self.engine.pool.fingerprint,
+                                                  lease.cached_pages, lease.boundary_key),
+                           lease.renew_s, cached_tokens)
 
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
         """The router's heartbeat for the reservations it holds; returns those not held."""
@@ -125,7 +130,8 @@ class DecodeWorker:
         e = self.engine
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
-                           e.pool.fingerprint, reserved_tickets=len(self.leases or ()))
+                           e.pool.fingerprint, reserved_tickets=len(self.leases or ()),
+                           cached_pages=e.allocator.num_cached)
 
     def stop(self) -> None:
         self.admitting = False

@@ -71,6 +71,7 @@ class Engine:
         self.root_key = root_key(self.pool.fingerprint)
         self.num_prompt_tokens_seen = 0  # prompt tokens admitted (prefix-cache hit rate)
         self.num_prompt_tokens_hit = 0   # ... of which the cache supplied
+        self._reserved_hits: dict[Hashable, int] = {}  # reservation -> cached pages it pinned
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -107,10 +108,13 @@ class Engine:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         self.check_prompt(prompt_ids, params)
-        if reservation is not None:
-            self._adopt(reservation, seq_id, len(prompt_ids))
+        hits = self._adopt(reservation, seq_id, len(prompt_ids)) if reservation is not None \
+            else 0
         seq = Sequence(seq_id, list(prompt_ids), len(prompt_ids), params,
                        make_generator(params, self.device))
+        if hits:  # the reservation pinned cached leading pages: compute after them
+            seq.num_cached = seq.num_prefix_hit = hits * self.config.block_size
+            seq.num_keyed = hits
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -129,7 +133,7 @@ class Engine:
         """`reserve` for a known prompt: the leading full pages this pool already holds
         (never the page of the prompt's last token) are pinned under `owner` first, and only
         the rest is newly allocated. Returns (cached pages, the new page ids): the handoff
-        has to fill only the new ones."""
+        has to fill only the new ones. `boundary_key` then names the last cached page."""
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
         live = len(self.running) + len(self.waiting) + self.num_reserved
@@ -142,7 +146,18 @@ class Engine:
             raise OutOfPages(f"need {need} pages, {self.allocator.num_free} of "
                              f"{self.allocator.num_pages} free")
         self.allocator.share(owner, hits)
-        return len(hits), self.allocator.allocate(owner, need)
+        new = self.allocator.allocate(owner, need)
+        if hits:
+            self._reserved_hits[owner] = len(hits)
+        self.num_prompt_tokens_seen += len(prompt_ids) if lookup else 0
+        self.num_prompt_tokens_hit += len(hits) * self.config.block_size
+        return len(hits), new
+
+    def boundary_key(self, prompt_ids: list[int], num_pages: int) -> int:
+        """The prefix-cache key of the prompt's page `num_pages - 1` (0 for none)."""
+        if num_pages <= 0:
+            return 0
+        return page_keys(self.root_key, prompt_ids, self.config.block_size, num_pages)[-1]
 
     def _lookup(self, token_ids: list[int], keys: list[int]) -> list[int]:
         """Cached pages of the longest run of leading full pages of `token_ids`, leaving at
@@ -163,6 +178,7 @@ class Engine:
         """Return the pages of a reservation that no sequence adopted; returns how many."""
         if owner in self.seqs:
             raise ValueError(f"{owner!r} is a sequence, not a reservation")
+        self._reserved_hits.pop(owner, None)
         return self.allocator.free(owner)
 
     def release_prefilled(self, seq_id: str) -> int:
@@ -198,13 +214,15 @@ class Engine:
         self.running.append(seq)
         return None
 
-    def _adopt(self, reservation: Hashable, seq_id: str, num_prompt_tokens: int) -> None:
+    def _adopt(self, reservation: Hashable, seq_id: str, num_prompt_tokens: int) -> int:
+        """Move a reservation's pages to a sequence; returns the cached pages it pinned."""
         expected = pages_for_tokens(num_prompt_tokens, self.config.block_size)
         held = len(self.allocator.pages_of(reservation))
         if held != expected:
             raise ValueError(f"reservation {reservation!r} holds {held} pages, "
                              f"the prompt needs {expected}")
         self.allocator.transfer(reservation, seq_id)
+        return self._reserved_hits.pop(reservation, 0)
 
     def abort(self, seq_id: str) -> bool:
         seq = self.seqs.get(seq_id)

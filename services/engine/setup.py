@@ -45,7 +45,8 @@ def num_pages_for(model: PagedCausalLM, block_size: int, num_pages: int, kv_cach
 def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "cpu",
                  block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 512,
                  chunk_size: int = 512, max_num_seqs: int = 256,
-                 max_prefill_tokens: int = 2048) -> tuple[Engine, Path]:
+                 max_prefill_tokens: int = 2048,
+                 prefix_caching: bool = True) -> tuple[Engine, Path]:
     ref = resolve_model_name(model)
     directory = model_dir(ref)
     loaded = load_model(directory, dtype=dtype, device=device,
@@ -53,5 +54,6 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
     config = EngineConfig(role=role, block_size=block_size,
                           num_pages=num_pages_for(loaded, block_size, num_pages, kv_cache_mb),
                           chunk_size=chunk_size, max_num_seqs=max_num_seqs,
-                          max_prefill_tokens=max_prefill_tokens)
+                          max_prefill_tokens=max_prefill_tokens,
+                          prefix_caching=prefix_caching)
     return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(directory)), directory

@@ -14,6 +14,9 @@ computes are not in it). Unpipelined (a prompt of one chunk) it is the one part'
 resident, a little less than `handoff_ms`, which also counts getting from the engine's step
 to the send.
 
+Prefix reuse: when the decode side already holds the prompt's first `destination.first_page`
+pages, those are never sent; the destination's pages receive the prompt's pages from there on.
+
 The decode side's agent counts the ticket complete only once every reserved page landed, so a
 decode never starts on a partial handoff. A failed or cancelled part ends the shipment: later
 parts are not sent and `finish` raises its error.
@@ -60,7 +63,8 @@ class Shipment:
         self._executor = executor
         self._lock = threading.Lock()
         self._queued: list[tuple[list[int], int]] = []  # (src pages, offset in the prompt)
-        self._shipped = 0  # pages handed to a part so far
+        self._skip = destination.first_page  # the decode side holds these already
+        self._shipped = self._skip  # prompt pages handed to a part (or held there) so far
         self._drain: Future[None] | None = None
         self._current: Handoff | None = None
         self._reports: list[TransferReport] = []
@@ -118,8 +122,9 @@ class Shipment:
             self._send(pages, offset)
 
     def _send(self, pages: list[int], offset: int) -> None:
-        dest = replace(self._destination,
-                       page_ids=self._destination.page_ids[offset:offset + len(pages)])
+        start = offset - self._skip
+        dest = replace(self._destination, first_page=offset,
+                       page_ids=self._destination.page_ids[start:start + len(pages)])
         with self._lock:
             if self._cancelled:
                 return

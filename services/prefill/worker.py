@@ -18,7 +18,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.common import failpoints
-from pdserve.common.errors import Aborted, InvalidArgument, ServiceError, Unavailable
+from pdserve.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+)
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
@@ -76,6 +82,7 @@ class PrefillWorker:
         rid = request.request_id
         received = time.perf_counter()
         failpoints.hit("prefill.queued", rid)
+        self._check_boundary(request)
         shipment = self._shipment(rid, request.ticket, request.destination, cancelled)
         try:
             _, outputs = self.loop.start_sequence(
@@ -94,13 +101,36 @@ class PrefillWorker:
             if not out.finish_reason:  # a request that ends at its first token needs no handoff
                 failpoints.hit("prefill.handoff", rid)
                 report = self._finish(rid, shipment, out, request.destination)
+            self.metrics.note_prompt(len(request.token_ids), out.cached_tokens)
+            if report.transport:
+                skipped = request.destination.first_page
+                self.metrics.pages_not_sent.inc(skipped)
+                self.metrics.bytes_not_sent.inc(skipped * self.engine.pool.page_bytes)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
-                                 report)
+                                 report, out.cached_tokens)
         finally:
             shipment.cancel()  # no-op once finished; stops parts of a failed or ended request
             self._forget(rid)
             self.loop.unsubscribe(rid)
             self.loop.submit(lambda e: e.release_prefilled(rid))
+
+    def _check_boundary(self, request: PrefillRequest) -> None:
+        """The decode side holds the prompt's first `first_page` pages: they must be this
+        prompt's (same keys here), and the prompt's last page must still be shipped."""
+        dest = request.destination
+        if not dest.first_page:
+            return
+        bs = self.engine.config.block_size
+        if dest.first_page * bs >= len(request.token_ids):
+            raise InvalidArgument(f"destination.first_page={dest.first_page}: the decode side "
+                                  f"cannot hold the page of the prompt's last token (prompt "
+                                  f"of {len(request.token_ids)} tokens, {bs} a page)")
+        mine = self.engine.boundary_key(request.token_ids, dest.first_page)
+        if mine != dest.boundary_key:
+            raise FailedPrecondition(
+                f"{request.request_id}: the decode side's cached prefix ends at page "
+                f"{dest.first_page - 1} with key {dest.boundary_key:#018x}, this prompt's page "
+                f"has key {mine:#018x} (a different prompt or layout): nothing was shipped")
 
     def _shipment(self, rid: str, ticket: TicketKey, destination: Destination,
                   cancelled: threading.Event) -> Shipment:
@@ -145,7 +175,7 @@ class PrefillWorker:
         e = self.engine
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
-                           e.pool.fingerprint)
+                           e.pool.fingerprint, cached_pages=e.allocator.num_cached)
 
     def stop(self) -> None:
         self.admitting = False

@@ -63,6 +63,11 @@ class Timing:
     decode_worker: str = ""
     attempts: int = 1
     kv_transfer_total_ms: float = 0.0  # the whole transfer (pipelined: mostly during prefill)
+    cached_tokens: int = 0          # prompt tokens whose KV this request did not compute
+    prefill_cached_tokens: int = 0  # ... held by the prefill side's prefix cache
+    decode_cached_tokens: int = 0   # ... held by the decode worker (not shipped)
+    prompt_pages: int = 0           # the prompt's pages; kv_pages of them crossed to decode
+    prefill_on: str = "prefill"     # "prefill" (the prefill pool) or "decode" (no handoff)
 
 
 @dataclass(frozen=True)

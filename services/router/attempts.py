@@ -187,7 +187,8 @@ class AttemptRunner:
         lease_s = self._prefill_timeout_s + LEASE_MARGIN_S
         request = decode_pb2.ReserveRequest(
             request_id=worker_request_id, num_prompt_tokens=num_tokens, lease_ms=lease_s * 1e3,
-            renew_lease_ms=self._keeper.renew_lease_s * 1e3 if self._keeper else 0.0)
+            renew_lease_ms=self._keeper.renew_lease_s * 1e3 if self._keeper else 0.0,
+            prompt_token_ids=gen.prompt_ids)
         full: list[str] = []
         down: list[str] = []
         for address in ranked:

@@ -75,9 +75,12 @@ def pdserve_extra(timing: Timing | None, finish: Finish) -> dict[str, Any]:
     return extra
 
 
-def usage(finish: Finish) -> dict[str, int]:
+def usage(finish: Finish, timing: Timing | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens whose KV
+    came from a prefix cache instead of being computed for this request."""
     return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": timing.cached_tokens if timing else 0}}
 
 
 class Answer:
@@ -143,7 +146,8 @@ class Answer:
             choice["token_ids"] = self._token_ids
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(self.finish), "pdserve": pdserve_extra(self.timing, self.finish)}
+                "usage": usage(self.finish, self.timing),
+                "pdserve": pdserve_extra(self.timing, self.finish)}
 
     # --- streamed --------------------------------------------------------------------------
 
@@ -206,7 +210,7 @@ class Answer:
         if self.include_usage:
             yield sse(last)
             last = self._chunk([])
-            last["usage"] = usage(self.finish)
+            last["usage"] = usage(self.finish, self.timing)
         last["pdserve"] = pdserve_extra(self.timing, self.finish)
         yield sse(last)
         yield DONE

@@ -180,7 +180,12 @@ class Lifecycle:
         timing = _timing(rid, started, received)
         record.prefill, record.decode = timing.prefill_worker, timing.decode_worker
         record.attempts = timing.attempts
-        span.set_attributes({"kv_pages": timing.kv_pages, "kv_transport": timing.kv_transport})
+        span.set_attributes({"kv_pages": timing.kv_pages, "kv_transport": timing.kv_transport,
+                             "prompt_pages": timing.prompt_pages,
+                             "cached_tokens": timing.cached_tokens,
+                             "prefill_cached_tokens": timing.prefill_cached_tokens,
+                             "decode_cached_tokens": timing.decode_cached_tokens,
+                             "prefill_on": timing.prefill_on})
         first_delta = Delta(rid, completion.first_text, (started.prefill.first_token,))
         decode_finished = False
         try:
@@ -281,6 +286,7 @@ class Lifecycle:
 
 def _timing(rid: str, started: Started, received: float) -> Timing:
     reply = started.prefill
+    dest = started.reservation.destination
     return Timing(rid, queue_ms=queue_ms(received, started.prefill_sent, reply.queue_ms),
                   prefill_ms=reply.prefill_ms, kv_transfer_ms=reply.transfer.handoff_ms,
                   kv_bytes=reply.transfer.kv_bytes, kv_pages=reply.transfer.kv_pages,
@@ -288,4 +294,7 @@ def _timing(rid: str, started: Started, received: float) -> Timing:
                   decode_worker=started.reservation.worker, attempts=started.attempts,
                   # 0 from a prefill worker that predates the field: it did not pipeline
                   kv_transfer_total_ms=reply.transfer.kv_transfer_total_ms
-                  or reply.transfer.handoff_ms)
+                  or reply.transfer.handoff_ms,
+                  cached_tokens=reply.cached_tokens, prefill_cached_tokens=reply.cached_tokens,
+                  decode_cached_tokens=started.reservation.cached_tokens,
+                  prompt_pages=dest.first_page + len(dest.page_ids))

@@ -38,7 +38,10 @@ def event_to_pb(event: StreamEvent) -> router_pb2.GenerateResponse:
             ttft_ms=event.ttft_ms, kv_bytes=event.kv_bytes, kv_pages=event.kv_pages,
             kv_transport=event.kv_transport, prefill_worker=event.prefill_worker,
             decode_worker=event.decode_worker, attempts=event.attempts,
-            kv_transfer_total_ms=event.kv_transfer_total_ms))
+            kv_transfer_total_ms=event.kv_transfer_total_ms, cached_tokens=event.cached_tokens,
+            prefill_cached_tokens=event.prefill_cached_tokens,
+            decode_cached_tokens=event.decode_cached_tokens, prompt_pages=event.prompt_pages,
+            prefill_on=event.prefill_on))
     assert isinstance(event, Finish)
     return router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
         finish_reason=event.finish_reason, prompt_tokens=event.prompt_tokens,

@@ -55,18 +55,22 @@ class LayoutFingerprint(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("agent_address", "agent_epoch", "pool_id", "page_ids", "fingerprint")
+    __slots__ = ("agent_address", "agent_epoch", "pool_id", "page_ids", "fingerprint", "first_page", "boundary_key")
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AGENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_KEY_FIELD_NUMBER: _ClassVar[int]
     agent_address: str
     agent_epoch: int
     pool_id: str
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     fingerprint: LayoutFingerprint
-    def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ...) -> None: ...
+    first_page: int
+    boundary_key: int
+    def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., first_page: _Optional[int] = ..., boundary_key: _Optional[int] = ...) -> None: ...
 
 class TransferReport(_message.Message):
     __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs", "kv_transfer_total_ms")
@@ -89,7 +93,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_pages", "free_pages", "running_sequences", "waiting_sequences", "reserved_tickets", "queued_prompt_tokens", "fingerprint")
+    __slots__ = ("worker_id", "role", "num_pages", "free_pages", "running_sequences", "waiting_sequences", "reserved_tickets", "queued_prompt_tokens", "fingerprint", "cached_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +103,7 @@ class WorkerStats(_message.Message):
     RESERVED_TICKETS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_pages: int
@@ -108,4 +113,5 @@ class WorkerStats(_message.Message):
     reserved_tickets: int
     queued_prompt_tokens: int
     fingerprint: LayoutFingerprint
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., reserved_tickets: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ...) -> None: ...
+    cached_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., reserved_tickets: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., cached_pages: _Optional[int] = ...) -> None: ...

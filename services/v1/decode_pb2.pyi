@@ -8,26 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms", "renew_lease_ms")
+    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms", "renew_lease_ms", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     lease_ms: float
     renew_lease_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ..., renew_lease_ms: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ..., renew_lease_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("ticket", "destination", "renew_lease_ms")
+    __slots__ = ("ticket", "destination", "renew_lease_ms", "cached_tokens")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ticket: _common_pb2.Ticket
     destination: _common_pb2.KVDestination
     renew_lease_ms: float
-    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ..., renew_lease_ms: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ..., renew_lease_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("tickets", "renew_lease_ms")

@@ -22,15 +22,17 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "queue_ms", "prefill_ms", "transfer", "worker_id")
+    __slots__ = ("first_token", "queue_ms", "prefill_ms", "transfer", "worker_id", "cached_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     queue_ms: float
     prefill_ms: float
     transfer: _common_pb2.TransferReport
     worker_id: str
-    def __init__(self, first_token: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer: _Optional[_Union[_common_pb2.TransferReport, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer: _Optional[_Union[_common_pb2.TransferReport, _Mapping]] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

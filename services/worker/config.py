@@ -37,6 +37,9 @@ class WorkerConfig(ServerConfig):
     threads: int = option(0, "torch threads (0: this process's CPU allowance, i.e. its cores "
                              "capped by its cgroup CPU quota, as a pod's limits set them)")
     warmup: bool = option(True, "run one throwaway request before reporting SERVING")
+    prefix_cache: bool = option(True, "keep full KV pages after their request, named by a hash "
+                                      "of their prefix, and reuse them for later prompts that "
+                                      "start the same (--no-prefix-cache: off)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -83,11 +83,23 @@ class WriteWindow(Protocol):
         not confirm that)."""
 
 
+@dataclass(frozen=True)
+class ReservedPages:
+    """What a reservation took: new pages for the handoff to fill, after `cached_pages`
+    leading pages of the prompt that the pool already held (pinned, not written again)."""
+
+    page_ids: list[int]
+    cached_pages: int = 0
+    boundary_key: int = 0  # the prefix-cache key of the last cached page (0: none)
+
+
 class PageStore(Protocol):
     """The engine's pool as the book sees it."""
 
-    def reserve(self, key: TicketKey, num_prompt_tokens: int) -> list[int]:
-        """Pages for the prompt, held under `key`; raise NoRoom when they cannot be had."""
+    def reserve(self, key: TicketKey, num_prompt_tokens: int,
+                prompt_ids: list[int] | None = None) -> ReservedPages:
+        """Pages for the prompt, held under `key` (with `prompt_ids`, its cached leading
+        pages pinned first); raise NoRoom when they cannot be had."""
 
     def free(self, key: TicketKey) -> None:
         """Return every page held under `key` (a no-op when it holds none)."""
@@ -96,13 +108,15 @@ class PageStore(Protocol):
 @dataclass
 class Lease:
     key: TicketKey
-    page_ids: list[int]
+    page_ids: list[int]  # the new pages, the only ones the handoff writes
     deadline: float  # expires here unless renewed (renewable leases) or released
     cap: float = math.inf  # renewals never move the deadline past this (lease_s after reserve)
     renew_s: float = 0.0  # a renewal moves the deadline this far ahead (0: not renewable)
     state: LeaseState = LeaseState.RESERVED
     pending_release: LeaseState | None = None  # RELEASED or EXPIRED once the window closes
     busy: bool = False  # a thread is closing its window right now (tick leaves it alone)
+    cached_pages: int = 0  # leading prompt pages held from the prefix cache (not written)
+    boundary_key: int = 0
 
 
 class LeaseBook:
@@ -124,14 +138,18 @@ class LeaseBook:
 
     # ---- the request path ---------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float = 0.0,
-                renew_s: float = 0.0) -> Lease:
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None) -> Lease:
         """Take pages for a prompt and open the agent's write window for them. The pages wait
         at most `lease_s` (0: the default); with `renew_s` > 0 also only until no renewal came
-        for `renew_s`."""
+        for `renew_s`. With `prompt_ids` the leading pages the pool already holds are pinned
+        instead, and the window covers only the rest."""
         if not request_id:
             raise InvalidArgument("request_id is empty")
         if num_prompt_tokens <= 0:
             raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens}: must be > 0")
+        if prompt_ids and len(prompt_ids) != num_prompt_tokens:
+            raise InvalidArgument(f"prompt_token_ids has {len(prompt_ids)} tokens, "
+                                  f"num_prompt_tokens is {num_prompt_tokens}")
         _check_duration("lease_ms", lease_s)
         _check_duration("renew_lease_ms", renew_s)
         lease_s = lease_s or self._default_lease_s
@@ -142,13 +160,15 @@ class LeaseBook:
                 raise FailedPrecondition(f"request {request_id} already has pages on "
                                          f"{self.worker_id}")
             try:
-                page_ids = self._pages.reserve(key, num_prompt_tokens)
+                taken = self._pages.reserve(key, num_prompt_tokens, prompt_ids or None)
             except NoRoom as exc:
                 raise ResourceExhausted(f"decode worker {self.worker_id}: no room for "
                                         f"{num_prompt_tokens} prompt tokens ({exc})") from None
             now = self._clock()
+            page_ids = taken.page_ids
             lease = Lease(key, page_ids, now + (renew_s or lease_s), cap=now + lease_s,
-                          renew_s=renew_s, busy=True)
+                          renew_s=renew_s, busy=True, cached_pages=taken.cached_pages,
+                          boundary_key=taken.boundary_key)
             self._leases[request_id] = lease
         if self._window is not None:
             try:

@@ -83,10 +83,12 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
                                      block_size=cfg.block_size, num_pages=cfg.num_pages,
                                      kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
                                      max_num_seqs=cfg.max_num_seqs,
-                                     max_prefill_tokens=cfg.max_prefill_tokens)
-    log.info("%s: model %s from %s, %d pages of %d bytes, %d torch threads on cores %s",
-             worker_id, engine.model.model_id, model_dir, engine.config.num_pages,
-             engine.pool.page_bytes, threads,
+                                     max_prefill_tokens=cfg.max_prefill_tokens,
+                                     prefix_caching=cfg.prefix_cache)
+    log.info("%s: model %s from %s, %d pages of %d bytes, prefix cache %s, %d torch threads "
+             "on cores %s", worker_id, engine.model.model_id, model_dir,
+             engine.config.num_pages, engine.pool.page_bytes,
+             "on" if engine.config.prefix_caching else "off", threads,
              format_cpu_list(sorted(os.sched_getaffinity(0))))
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)

@@ -4,18 +4,25 @@ engine loop's thread."""
 from __future__ import annotations
 
 from pdserve.common.tickets import TicketKey
+from pdserve.engine.engine import Engine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.pool import OutOfPages
-from pdserve.worker.leases import NoRoom
+from pdserve.worker.leases import NoRoom, ReservedPages
 
 
 class EnginePages:
     def __init__(self, loop: EngineLoop):
         self._loop = loop
 
-    def reserve(self, key: TicketKey, num_prompt_tokens: int) -> list[int]:
+    def reserve(self, key: TicketKey, num_prompt_tokens: int,
+                prompt_ids: list[int] | None = None) -> ReservedPages:
+        def take(e: Engine) -> ReservedPages:
+            if prompt_ids is None:
+                return ReservedPages(e.reserve(key, num_prompt_tokens))
+            cached, new = e.reserve_prompt(key, prompt_ids)
+            return ReservedPages(new, cached, e.boundary_key(prompt_ids, cached))
         try:
-            return self._loop.submit(lambda e: e.reserve(key, num_prompt_tokens))
+            return self._loop.submit(take)
         except OutOfPages as exc:
             raise NoRoom(str(exc)) from None
 

@@ -54,7 +54,8 @@ class DecodeBackend(Protocol):
     model_id: str
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
-                renew_s: float = 0.0) -> Reservation: ...
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None
+                ) -> Reservation: ...
 
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]: ...
 
@@ -98,11 +99,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             span.set_attributes({"queue_ms": result.queue_ms, "prefill_ms": result.prefill_ms,
                                  "kv_transfer_ms": t.handoff_ms,
                                  "kv_transfer_total_ms": t.total_ms, "kv_bytes": t.kv_bytes,
-                                 "kv_pages": t.kv_pages, "kv_transport": t.transport})
+                                 "kv_pages": t.kv_pages, "kv_transport": t.transport,
+                                 "cached_tokens": result.cached_tokens})
         return prefill_pb2.PrefillResponse(first_token=result.first_token,
                                            queue_ms=result.queue_ms, prefill_ms=result.prefill_ms,
                                            transfer=wire.report_to_pb(result.transfer),
-                                           worker_id=self.worker.worker_id)
+                                           worker_id=self.worker.worker_id,
+                                           cached_tokens=result.cached_tokens)
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
@@ -120,14 +123,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           prompt_tokens=request.num_prompt_tokens) as span:
             reservation = self.worker.reserve(request.request_id, request.num_prompt_tokens,
                                               request.lease_ms / 1e3,
-                                              request.renew_lease_ms / 1e3)
-            span.set_attribute("kv_pages", len(reservation.destination.page_ids))
+                                              request.renew_lease_ms / 1e3,
+                                              list(request.prompt_token_ids) or None)
+            span.set_attributes({"kv_pages": len(reservation.destination.page_ids),
+                                 "cached_tokens": reservation.cached_tokens})
         if not context.is_active():  # the caller gave up (cancelled, timed out): free them
             self.worker.abort(reservation.ticket)
         return decode_pb2.ReserveResponse(
             ticket=wire.ticket_to_pb(reservation.ticket, self.worker.worker_id),
             destination=wire.destination_to_pb(reservation.destination),
             renew_lease_ms=reservation.renew_s * 1e3,
+            cached_tokens=reservation.cached_tokens,
         )
 
     def Decode(

@@ -27,6 +27,7 @@ class PrefillResult:
     queue_ms: float
     prefill_ms: float
     transfer: TransferReport
+    cached_tokens: int = 0  # leading prompt tokens this worker's prefix cache supplied
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Reservation:
     ticket: TicketKey
     destination: Destination
     renew_s: float = 0.0  # the renewal period granted (0: the lease is not renewable)
+    cached_tokens: int = 0  # leading prompt tokens whose KV this worker holds already
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,4 @@ class WorkerStats:
     queued_prompt_tokens: int
     fingerprint: LayoutFingerprint
     reserved_tickets: int = 0
+    cached_pages: int = 0

@@ -25,6 +25,10 @@ DECODE_PAGES = 200
 WORKER_ENV = {
     "PDSERVE_PREFILL_CHUNK_SIZE": "32",  # long prompts are prefilled in chunks
     "PDSERVE_DECODE_NUM_PAGES": str(DECODE_PAGES),
+    # Every prompt here runs once per test: whole prompts cross each data path. Partial
+    # handoffs (the prefix cache on, its default) are tests/service/test_prefix_reuse.py's.
+    "PDSERVE_PREFILL_PREFIX_CACHE": "0",
+    "PDSERVE_DECODE_PREFIX_CACHE": "0",
 }
 
 

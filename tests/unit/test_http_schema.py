@@ -125,7 +125,7 @@ def test_lifecycle_errors_map_to_http_statuses_naming_the_field():
 
 
 EVENTS = [Delta("r1", "Hel", (5,)), Timing("r1", queue_ms=1.0, ttft_ms=9.0, kv_bytes=64,
-                                             kv_pages=1, kv_transport="ucx"),
+                                             kv_pages=1, kv_transport="ucx", cached_tokens=2),
           Delta("r1", "", (6,)), Delta("r1", "lo", (7,)),
           Finish("r1", "length", 4, 3, e2e_ms=20.0, tpot_ms=2.0, itl_mean_ms=2.0,
                  itl_max_ms=3.0)]
@@ -150,7 +150,9 @@ def test_a_stream_coalesces_each_batch_and_ends_with_usage_timing_and_done():
     assert last["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 4,
                                                          "completion_tokens": 3,
-                                                         "total_tokens": 7}
+                                                         "total_tokens": 7,
+                                                         "prompt_tokens_details": {
+                                                             "cached_tokens": 2}}
     timing = usage["pdserve"]["timing"]
     assert (timing["ttft_ms"], timing["kv_bytes"], timing["kv_transport"]) == (9.0, 64, "ucx")
     assert usage["pdserve"]["latency"]["e2e_ms"] == 20.0 and done == b"[DONE]"

@@ -14,7 +14,7 @@ from pdserve.common.errors import (
     Unavailable,
 )
 from pdserve.common.tickets import TicketKey
-from pdserve.worker.leases import LeaseBook, LeaseState, NoRoom, WindowClosed
+from pdserve.worker.leases import LeaseBook, LeaseState, NoRoom, ReservedPages, WindowClosed
 
 pytestmark = pytest.mark.unit
 
@@ -31,13 +31,14 @@ class FakePages:
     def num_free(self) -> int:
         return self.num_pages - sum(len(p) for p in self.held.values())
 
-    def reserve(self, key: TicketKey, num_prompt_tokens: int) -> list[int]:
+    def reserve(self, key: TicketKey, num_prompt_tokens: int,
+                prompt_ids: list[int] | None = None) -> ReservedPages:
         need = -(-num_prompt_tokens // 16)
         if need > self.num_free:
             raise NoRoom(f"need {need} pages, {self.num_free} free")
         used = {p for pages in self.held.values() for p in pages}
         self.held[key] = [p for p in range(self.num_pages) if p not in used][:need]
-        return list(self.held[key])
+        return ReservedPages(list(self.held[key]))
 
     def free(self, key: TicketKey) -> None:
         assert key in self.held, f"{key} freed twice or never held"

@@ -1,0 +1,113 @@
+"""Prefix reuse end to end (real processes, `pdserve up`, the tiny model): a conversation's
+second turn ships only the pages the decode worker lacks, both sides report what their caches
+held, tokens stay equal to transformers, and the counters say what was not sent. Co-located
+serving reuses its cache the same way."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from tests.service.stack import collect, pdserve_stack
+
+pytestmark = pytest.mark.service
+
+BS = 16
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _reference(hf, prompt: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                      min_new_tokens=MAX_TOKENS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _generate(stack, prompt: list[int]):
+    return collect(stack.generate(token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                  ignore_eos=True))
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir):
+    with pdserve_stack(env={"PDSERVE_PREFILL_CHUNK_SIZE": "32"}) as s:
+        yield s
+
+
+def test_a_second_turn_ships_only_the_pages_decode_lacks(stack, hf):
+    turn1 = _tokens(1, 70)
+    ids1, _, timing1, _ = _generate(stack, turn1)
+    assert ids1 == _reference(hf, turn1)
+    assert (timing1.decode_cached_tokens, timing1.prefill_cached_tokens) == (0, 0)
+    assert timing1.kv_pages == timing1.prompt_pages == -(-70 // BS)
+    assert timing1.prefill_on == "prefill"
+
+    # Turn 2 re-sends turn 1 and its answer, plus new tokens. Decode wrote KV for the prompt
+    # and every output token but the last: 77 tokens, 4 full pages; prefill holds turn 1's
+    # 4 full prompt pages.
+    turn2 = turn1 + ids1 + _tokens(2, 40)
+    not_sent = _metric(stack.scrape("prefill-0"), "pdserve_kv_pages_not_sent_total")
+    ids2, _, timing2, finish2 = _generate(stack, turn2)
+    assert ids2 == _reference(hf, turn2)
+    assert timing2.decode_cached_tokens == 4 * BS and timing2.prefill_cached_tokens == 4 * BS
+    assert timing2.cached_tokens == 4 * BS
+    assert timing2.prompt_pages == -(-len(turn2) // BS) == 8
+    new_pages = -(-(len(turn2) - len(turn1)) // BS)
+    assert timing2.kv_pages == timing2.prompt_pages - 4 <= new_pages + 1
+    assert timing2.kv_bytes == timing2.kv_pages * (timing1.kv_bytes // timing1.kv_pages)
+    assert _metric(stack.scrape("prefill-0"), "pdserve_kv_pages_not_sent_total") \
+        == not_sent + 4
+    decode = stack.scrape("decode-0")
+    assert _metric(decode, "pdserve_prefix_cache_hit_tokens_total") >= 4 * BS
+    assert _metric(decode, "pdserve_prefix_cache_pages") > 0
+    assert finish2.prompt_tokens == len(turn2)
+
+    # The same prompt again: everything but the last page is held on both sides.
+    ids3, _, timing3, _ = _generate(stack, turn2)
+    assert ids3 == ids2 and timing3.kv_pages == 1
+    assert timing3.decode_cached_tokens == timing3.prefill_cached_tokens == 7 * BS
+
+
+def test_the_http_usage_reports_cached_tokens(stack, hf):
+    prompt = _tokens(3, 50)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    def complete() -> dict:
+        req = urllib.request.Request(stack.http + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as reply:
+            return json.loads(reply.read())
+
+    first, second = complete(), complete()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert second["pdserve"]["timing"]["decode_cached_tokens"] == 48
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+def test_colocated_serving_reuses_its_cache(tiny_model_dir, hf):
+    prompt = _tokens(4, 60)
+    with pdserve_stack(colocated=True) as s:
+        ids1, _, timing1, _ = _generate(s, prompt)
+        ids2, _, timing2, _ = _generate(s, prompt + [7, 8, 9])
+    assert ids1 == _reference(hf, prompt)
+    assert ids2 == _reference(hf, prompt + [7, 8, 9])
+    assert timing1.cached_tokens == 0 and timing2.cached_tokens == 48
