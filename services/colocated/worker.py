@@ -19,6 +19,7 @@ from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop, Outputs
+from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import first_output, token_events
@@ -47,6 +48,7 @@ class ColocatedWorker:
         self.pool_id = "local"
         self.admitting = True
         self.metrics = WorkerMetrics(self.role, self.stats)
+        self.cache_feed = CacheFeed(loop)
         self.leases = LeaseBook(worker_id, self.epoch, EnginePages(loop), None,
                                 default_lease_s=default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
@@ -145,4 +147,5 @@ class ColocatedWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        self.cache_feed.close()
         self.leases.close()

@@ -19,6 +19,7 @@ from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
 from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import token_events
@@ -43,6 +44,7 @@ class DecodeWorker:
         self.agent_epoch = 0
         self.admitting = True
         self.metrics = WorkerMetrics(self.role, self.stats)
+        self.cache_feed = CacheFeed(loop)
         self.leases: LeaseBook | None = None
 
     def register(self) -> None:
@@ -135,6 +137,7 @@ class DecodeWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        self.cache_feed.close()
         if self.leases is not None:
             self.leases.close()
         self.agent.close()

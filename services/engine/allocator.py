@@ -1,6 +1,6 @@
 """Pages handed to owners, and the prefix cache that keeps full pages for reuse.
 
-The one owner of page ids, reference counts and page keys (see `engine/prefix.py` for the
+The one owner of page ids, reference counts and page keys (see `common/prefix.py` for the
 keys themselves). Its invariants, each tested alone:
 
 - A page is in exactly one of three places: the free list (holds nothing anyone wants),

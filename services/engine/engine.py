@@ -15,7 +15,7 @@ back to the front of the waiting queue, to be recomputed (prefill over all its t
 pages free up. The engine is not thread-safe: one thread owns it.
 
 Prefix cache (on unless `prefix_caching=False`): every full page whose KV is computed (or,
-on decode, has landed) is named by its chained key (`engine/prefix.py`) and stays in the
+on decode, has landed) is named by its chained key (`common/prefix.py`) and stays in the
 pool after its sequence ends, unreferenced, until an allocation needs room (LRU). A new
 sequence takes the longest cached run of its leading pages, shared and never written, and
 computes from there; at least its last token is always computed (its logits give the next
@@ -32,10 +32,10 @@ from collections.abc import Hashable, Iterable
 
 import torch
 from pdserve.common.layout import pages_for_tokens
+from pdserve.common.prefix import page_keys, root_key
 from pdserve.engine.batch import Batch
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
-from pdserve.engine.prefix import page_keys, root_key
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
 

@@ -32,6 +32,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import StepOutput
 from pdserve.prefill.shipment import Shipment
 from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.samehost import SameHostLane
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
@@ -54,11 +55,13 @@ class PrefillWorker:
         self.same_host_lane = same_host_lane
         self.lane: SameHostLane | None = None
         self.pool_id = ""
+        self.epoch = time.time_ns() // 1000  # new at every start (cache events)
         self.admitting = True
         self._shipments: dict[str, Shipment] = {}
         self._lock = threading.Lock()
         self._parts = ThreadPoolExecutor(8, thread_name_prefix="kv-parts")
         self.metrics = WorkerMetrics(self.role, self.stats)
+        self.cache_feed = CacheFeed(loop)
 
     def register(self) -> None:
         pool = self.engine.pool
@@ -179,6 +182,7 @@ class PrefillWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        self.cache_feed.close()
         self._parts.shutdown(wait=False, cancel_futures=True)
         if self.lane is not None:
             self.lane.close()

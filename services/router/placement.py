@@ -1,16 +1,30 @@
-"""Where a request goes: pure ranking of prefill and decode workers by load.
+"""Where a request goes: pure ranking of prefill and decode workers by cache and load.
 
-The pool gathers the loads (health checks, worker Stats, what this router has in flight);
-these functions only order them, so they can be tested alone. Both return every healthy
-worker, best first: the lifecycle walks the list (a decode worker without room answers
-RESOURCE_EXHAUSTED, so the next one is asked). Workers in `avoid` (they failed earlier in
-the same request) come last, so a retry lands elsewhere when there is an elsewhere.
+The pool gathers the loads (health checks, worker Stats, what this router has in flight) and
+the cache index how many leading pages of the prompt each worker holds; these functions only
+order them, so they can be tested alone. Both return every healthy worker, best first: the
+lifecycle walks the list (a decode worker without room answers RESOURCE_EXHAUSTED, so the
+next one is asked). Workers in `avoid` (they failed earlier in the same request) come last,
+so a retry lands elsewhere when there is an elsewhere.
+
+Cache-aware cost, in prompt-token equivalents, lowest first (`Weights` are router flags):
+
+    cost = cache_weight * (prompt tokens the worker would have to compute or receive)
+         + sequence_weight * (sequences in, or headed for, its batch)      [decode]
+         + pending prompt tokens queued on it                               [prefill]
+
+so a busy worker holding a long prefix may win over an idle one, but not without bound: a
+decode worker with more than `max_imbalance` x the least loaded one's sequences (plus
+`imbalance_slack`) is not a candidate while a less loaded one is (a hot prefix cannot pile
+every request onto one worker), and one whose last Stats show no room for the pages it lacks
+comes after those that have room. Every ranking comes with its explanation: per candidate its
+cached tokens, load and cost, and which term decided (`locality`, `load` or `room`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from pdserve.common.layout import pages_for_tokens
 
@@ -25,6 +39,7 @@ class PrefillLoad:
     healthy: bool
     queued_prompt_tokens: int = 0    # from the worker's last Stats
     inflight_prompt_tokens: int = 0  # prompts this router sent it that have not returned
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def pending_tokens(self) -> int:
@@ -51,23 +66,122 @@ class DecodeLoad:
         return self.running_sequences + self.waiting_sequences + self.reserved_tickets
 
 
-def rank_prefill(workers: Sequence[PrefillLoad], avoid: Collection[str] = ()) -> list[str]:
-    """Healthy prefill workers, fewest pending prompt tokens first."""
+@dataclass(frozen=True)
+class Weights:
+    cache_weight: float = 1.0     # per prompt token a worker would compute or receive
+    sequence_weight: float = 32.0  # per sequence in a decode worker's batch, in tokens
+    max_imbalance: float = 1.5    # decode sequences over the least loaded worker's, times
+    imbalance_slack: int = 4      # ... plus this many
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker in a placement's explanation."""
+
+    address: str
+    cached_tokens: int
+    load: int          # decode: sequences in its batch; prefill: pending prompt tokens
+    cost: float
+    note: str = ""     # why it was pushed down: "retry", "busy", "no room"
+
+    def describe(self) -> str:
+        note = f" ({self.note})" if self.note else ""
+        return f"{self.address} cached={self.cached_tokens} load={self.load} " \
+               f"cost={self.cost:.0f}{note}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    ranked: list[str]
+    candidates: list[Candidate] = field(default_factory=list)  # in ranked order
+    decided_by: str = ""  # "locality", "load", "room", "retry" or "only" (one candidate)
+
+    def explain(self) -> str:
+        """One line: the pick, the deciding term, every candidate."""
+        if not self.ranked:
+            return "no healthy worker"
+        return f"{self.ranked[0]} by {self.decided_by}: " + \
+            "; ".join(c.describe() for c in self.candidates)
+
+
+def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
+                  cached_pages: Mapping[str, int] | None = None,
+                  weights: Weights = Weights(), avoid: Collection[str] = ()) -> Placement:
+    """Healthy prefill workers, cheapest first: the prompt tokens each would compute (its
+    cache's leading pages excluded) plus the prompt tokens already pending on it."""
+    cached_pages = cached_pages or {}
+    rows = []
+    for w in workers:
+        if not w.healthy:
+            continue
+        cached = cached_pages.get(w.address, 0) * w.block_size
+        cost = weights.cache_weight * max(0, num_prompt_tokens - cached) + w.pending_tokens
+        rows.append((w.address in avoid, cost, w.address,
+                     Candidate(w.address, cached, w.pending_tokens, cost,
+                               "retry" if w.address in avoid else "")))
+    rows.sort(key=lambda r: r[:3])
+    return _placement(rows)
+
+
+def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
+                 cached_pages: Mapping[str, int] | None = None,
+                 weights: Weights = Weights(), avoid: Collection[str] = ()) -> Placement:
+    """Healthy decode workers, best first (see the module's docstring). Workers whose last
+    Stats showed too little room still come (last): the Stats may be stale, and Reserve gives
+    the real answer."""
+    cached_pages = cached_pages or {}
     healthy = [w for w in workers if w.healthy]
-    healthy.sort(key=lambda w: (w.address in avoid, w.pending_tokens, w.address))
-    return [w.address for w in healthy]
+    need = {w.address: pages_for_tokens(num_prompt_tokens, w.block_size)
+            - cached_pages.get(w.address, 0) for w in healthy}
+    fits = {w.address: w.free_pages is None or w.free_pages >= need[w.address] for w in healthy}
+    roomy = [w.sequences for w in healthy if fits[w.address] and w.address not in avoid]
+    busy_line = min(roomy) * weights.max_imbalance + weights.imbalance_slack if roomy else 0
+    rows = []
+    for w in healthy:
+        cached = cached_pages.get(w.address, 0) * w.block_size
+        cost = weights.cache_weight * max(0, num_prompt_tokens - cached) \
+            + weights.sequence_weight * w.sequences
+        busy = bool(roomy) and w.sequences > busy_line
+        note = "retry" if w.address in avoid else "no room" if not fits[w.address] else \
+            "busy" if busy else ""
+        free = w.free_pages if w.free_pages is not None else 0
+        rows.append((w.address in avoid, not fits[w.address], busy, cost, -free, w.address,
+                     Candidate(w.address, cached, w.sequences, cost, note)))
+    rows.sort(key=lambda r: r[:6])
+    return _placement(rows)
+
+
+def _placement(rows: list[tuple]) -> Placement:  # type: ignore[type-arg]
+    candidates: list[Candidate] = [r[-1] for r in rows]
+    return Placement([c.address for c in candidates], candidates, _decided_by(candidates))
+
+
+def _decided_by(candidates: list[Candidate]) -> str:
+    """Which term put the first candidate first."""
+    if not candidates:
+        return ""
+    best, rest = candidates[0], candidates[1:]
+    if not rest:
+        return "only"
+    if best.note == "retry":
+        return "retry"
+    if any(c.note in ("no room", "busy") and c.cached_tokens > best.cached_tokens
+           for c in rest):
+        return "room"  # a worker holding more of the prompt was passed over for room
+    if any(c.load < best.load for c in rest if not c.note):
+        return "locality"  # it won despite more load: its cache decided
+    if any(c.cached_tokens > best.cached_tokens for c in rest if not c.note):
+        return "load"
+    return "locality" if best.cached_tokens > max(c.cached_tokens for c in rest) else "load"
+
+
+def rank_prefill(workers: Sequence[PrefillLoad], avoid: Collection[str] = ()) -> list[str]:
+    """Healthy prefill workers, fewest pending prompt tokens first (no cache information)."""
+    return place_prefill(workers, avoid=avoid).ranked
 
 
 def rank_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
                 avoid: Collection[str] = ()) -> list[str]:
     """Healthy decode workers: those with room for the prompt first, then the fewest
-    sequences, then the most free pages. Workers whose last Stats showed too little room
-    still come (last): the Stats may be stale, and Reserve gives the real answer."""
-    def key(w: DecodeLoad) -> tuple[bool, bool, int, int, str]:
-        fits = w.free_pages is None or w.free_pages >= pages_for_tokens(
-            num_prompt_tokens, w.block_size
-        )
-        free = w.free_pages if w.free_pages is not None else 0
-        return (w.address in avoid, not fits, w.sequences, -free, w.address)
-
-    return [w.address for w in sorted((w for w in workers if w.healthy), key=key)]
+    sequences, then the most free pages (no cache information)."""
+    return place_decode(workers, num_prompt_tokens, avoid=avoid).ranked

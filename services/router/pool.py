@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
-from pdserve.router.placement import DecodeLoad, PrefillLoad
+from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.router.pool")
@@ -274,7 +274,9 @@ class WorkerPool:
         with self._lock:
             return [PrefillLoad(w.address, w.healthy,
                                 w.stats.queued_prompt_tokens if w.stats else 0,
-                                w.inflight_prompt_tokens)
+                                w.inflight_prompt_tokens,
+                                (w.stats.fingerprint.block_size if w.stats else 0)
+                                or DEFAULT_BLOCK_SIZE)
                     for w in self._workers.values() if w.role == "prefill" and w.member]
 
     def decode_loads(self) -> list[DecodeLoad]:

@@ -88,6 +88,32 @@ class TransferReport(_message.Message):
     kv_transfer_total_ms: float
     def __init__(self, handoff_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., transport: _Optional[str] = ..., num_runs: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ...) -> None: ...
 
+class CacheEventsRequest(_message.Message):
+    __slots__ = ("heartbeat_ms",)
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_ms: float
+    def __init__(self, heartbeat_ms: _Optional[float] = ...) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("worker_id", "epoch", "sequence", "snapshot", "stored", "removed", "block_size", "fingerprint")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    sequence: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    fingerprint: LayoutFingerprint
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

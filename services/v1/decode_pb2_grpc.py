@@ -61,6 +61,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.RenewRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/pdserve.v1.Decode/CacheEvents',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -103,6 +108,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """What this worker's prefix cache gains and loses: a snapshot, then changes (routers index
+        them to place requests where the prompt's KV already is).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +143,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.RenewRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.RenewResponse.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.CacheEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.CacheEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +286,33 @@ class Decode:
             '/pdserve.v1.Decode/Renew',
             pdserve_dot_v1_dot_decode__pb2.RenewRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/CacheEvents',
+            pdserve_dot_v1_dot_common__pb2.CacheEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.CacheEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

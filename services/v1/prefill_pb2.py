@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"\xa4\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12,\n\x08transfer\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferReport\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06ticket\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"\xa4\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12,\n\x08transfer\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferReport\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x32\xd7\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12L\n\x0b\x43\x61\x63heEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,5 +37,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=254
   _globals['_PREFILLRESPONSE']._serialized_end=418
   _globals['_PREFILL']._serialized_start=421
-  _globals['_PREFILL']._serialized_end=558
+  _globals['_PREFILL']._serialized_end=636
 # @@protoc_insertion_point(module_scope)

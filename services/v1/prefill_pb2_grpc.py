@@ -46,6 +46,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/pdserve.v1.Prefill/CacheEvents',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -64,6 +69,12 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +87,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.CacheEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.CacheEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +149,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Stats',
             pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Prefill/CacheEvents',
+            pdserve_dot_v1_dot_common__pb2.CacheEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.CacheEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

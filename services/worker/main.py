@@ -19,6 +19,7 @@ from pdserve.common.server import start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.engine.loop import EngineLoop
 from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.config import WorkerConfig
 
 log = logging.getLogger("pdserve.worker")
@@ -31,6 +32,7 @@ class Worker(Protocol):
     metrics: WorkerMetrics
     admitting: bool
     pool_id: str
+    cache_feed: CacheFeed
 
     def register(self) -> None: ...
 
@@ -127,4 +129,5 @@ def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
 def worker_drain(worker: Worker) -> Callable[[], None]:
     def drain() -> None:
         worker.admitting = False
+        worker.cache_feed.close()  # routers' event streams end now, not after the grace
     return drain

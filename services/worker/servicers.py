@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import grpc
 from pdserve.common import tracing, wire
 from pdserve.common.tickets import TicketKey
+from pdserve.engine.engine import Engine
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -28,6 +29,7 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.types import (
     DecodeEvent,
     DecodeRequest,
@@ -38,8 +40,16 @@ from pdserve.worker.types import (
 )
 
 
-class PrefillBackend(Protocol):
+class CacheSource(Protocol):
+    """A worker whose prefix-cache events routers can subscribe to."""
+
     worker_id: str
+    epoch: int
+    cache_feed: CacheFeed
+    engine: Engine
+
+
+class PrefillBackend(CacheSource, Protocol):
     model_id: str
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult: ...
@@ -49,8 +59,7 @@ class PrefillBackend(Protocol):
     def stats(self) -> WorkerStats: ...
 
 
-class DecodeBackend(Protocol):
-    worker_id: str
+class DecodeBackend(CacheSource, Protocol):
     model_id: str
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
@@ -110,6 +119,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
         return _stats_to_pb(self.worker.stats())
+
+    def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
+                    ) -> Iterator[common_pb2.CacheEventBatch]:
+        return _cache_events(self.worker, request, context)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -184,6 +197,34 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
         return _stats_to_pb(self.worker.stats())
+
+    def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
+                    ) -> Iterator[common_pb2.CacheEventBatch]:
+        return _cache_events(self.worker, request, context)
+
+
+def _cache_events(worker: CacheSource, request: common_pb2.CacheEventsRequest,
+                  context: grpc.ServicerContext) -> Iterator[common_pb2.CacheEventBatch]:
+    """The worker's cache feed on the wire; ends when the caller goes away."""
+    if request.heartbeat_ms < 0:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"heartbeat_ms={request.heartbeat_ms}: must be >= 0")
+    heartbeat_s = min(request.heartbeat_ms / 1e3 or 1.0, 60.0)
+    fingerprint = worker.engine.pool.fingerprint
+    stream = worker.cache_feed.stream(max(heartbeat_s, 0.01))
+    try:
+        for batch in stream:
+            if not context.is_active():
+                return
+            pb = common_pb2.CacheEventBatch(worker_id=worker.worker_id, epoch=worker.epoch,
+                                            sequence=batch.sequence, snapshot=batch.snapshot,
+                                            stored=batch.stored, removed=batch.removed,
+                                            block_size=fingerprint.block_size)
+            if batch.snapshot:
+                pb.fingerprint.CopyFrom(wire.fingerprint_to_pb(fingerprint))
+            yield pb
+    finally:
+        stream.close()
 
 
 def _stats_to_pb(stats: WorkerStats) -> common_pb2.WorkerStats:

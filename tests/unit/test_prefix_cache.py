@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.prefix import page_keys, root_key
 from pdserve.engine.allocator import OutOfPages, PageAllocator
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import load_model
-from pdserve.engine.prefix import page_keys, root_key
 from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit

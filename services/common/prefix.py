@@ -1,4 +1,5 @@
-"""Page keys for the prefix cache: a chained hash over full pages of token ids.
+"""Page keys for the prefix cache: a chained hash over full pages of token ids (standard
+library only: the engine names its pages with it, the router the pages a prompt would need).
 
 Page i's key = H(key of page i-1, token ids of page i), and the chain's root is H(the layout
 fingerprint), so pools of a different model, revision, dtype, block size or tensor-parallel
