@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
+from pdserve.router.cache_feed import Followed
 from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -77,8 +78,10 @@ class WorkerPool:
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
                  interval_s: float = 1.0, timeout_s: float = 1.0,
-                 security: ChannelSecurity | None = None):
+                 security: ChannelSecurity | None = None,
+                 on_checked: Callable[[list[Followed]], None] | None = None):
         self.interval_s = interval_s
+        self._on_checked = on_checked  # after each round: the healthy members (cache feeds)
         self.timeout_s = timeout_s
         self._security = security
         self._lock = threading.Lock()
@@ -221,6 +224,17 @@ class WorkerPool:
                 worker.last_error = "" if healthy else error
                 if fresh is not None:
                     worker.stats = fresh
+        if self._on_checked is not None:
+            self._on_checked(self.followable())
+
+    def followable(self) -> list[Followed]:
+        """Healthy members, one per address (a co-located worker serves both roles), with a
+        way to open their cache-event stream."""
+        with self._lock:
+            found = {w.address: Followed(w.address, w.stub.CacheEvents)
+                     for w in sorted(self._workers.values(), key=lambda w: w.role)
+                     if w.member and w.healthy}
+        return list(found.values())
 
     def _ask(self, worker: Worker) -> tuple[grpc.Future, grpc.Future] | None:
         """Start `worker`'s health Check and Stats calls; None when its channel was closed

@@ -1,0 +1,142 @@
+"""The router's side of the workers' cache events: one stream per worker, into the index.
+
+`CacheFeeds.sync(members)` (called after each health-check round) follows every healthy
+member and stops following those that left: their entries leave the index at once. A broken
+stream drops the worker's entries and is opened again (a new snapshot) after `retry_s`; a
+worker that does not serve CacheEvents (older) is left out of cache-aware placement. The
+prompt's page keys are computed here with the worker's own layout (the snapshot names it), so
+workers of another model or block size never match.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from pdserve.common import wire
+from pdserve.common.prefix import page_keys, root_key
+from pdserve.router.cache_index import CacheIndex
+from pdserve.v1 import common_pb2
+
+log = logging.getLogger("pdserve.router.cache")
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A worker to follow: its address and how to open its CacheEvents stream."""
+
+    address: str
+    open_stream: Callable[[common_pb2.CacheEventsRequest], grpc.Call]
+
+
+class CacheFeeds:
+    def __init__(self, index: CacheIndex | None = None, *, retry_s: float = 0.5,
+                 heartbeat_ms: float = 1000.0):
+        self.index = index or CacheIndex()
+        self._retry_s = retry_s
+        self._heartbeat_ms = heartbeat_ms
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._streams: dict[str, grpc.Call | None] = {}  # followed now (None: opening)
+        self._layout: dict[str, tuple[int, int]] = {}   # worker -> (root key, block size)
+        self._unsupported: set[str] = set()
+
+    def sync(self, members: Iterable[Followed]) -> None:
+        """Follow these workers (start streams for new ones); stop following the rest."""
+        wanted = {m.address: m for m in members}
+        with self._lock:
+            if self._stop.is_set():
+                return
+            gone = [a for a in self._streams if a not in wanted]
+            calls = [self._streams.pop(a) for a in gone]
+            new = [m for a, m in wanted.items()
+                   if a not in self._streams and a not in self._unsupported]
+            for m in new:
+                self._streams[m.address] = None
+        for address in gone:
+            self._forget(address)
+        for call in calls:
+            if call is not None:
+                call.cancel()
+        for m in new:
+            threading.Thread(target=self._follow, args=(m,), name=f"cache-feed-{m.address}",
+                             daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            calls = list(self._streams.values())
+            self._streams.clear()
+        for call in calls:
+            if call is not None:
+                call.cancel()
+
+    # ---- queries ----------------------------------------------------------------------
+    def prompt_keys(self, address: str, prompt_ids: Sequence[int]) -> list[int]:
+        """The page keys of the prompt's full pages before its last token, as `address`
+        names them (empty when its layout is not known yet)."""
+        layout = self._layout.get(address)
+        if layout is None:
+            return []
+        root, block_size = layout
+        return page_keys(root, prompt_ids, block_size, (len(prompt_ids) - 1) // block_size)
+
+    def cached_pages(self, addresses: Iterable[str], prompt_ids: Sequence[int]
+                     ) -> dict[str, int]:
+        """Leading pages of the prompt each worker holds, as far as the index knows."""
+        memo: dict[tuple[int, int], list[int]] = {}
+        out = {}
+        for address in addresses:
+            layout = self._layout.get(address)
+            if layout is None:
+                out[address] = 0
+                continue
+            keys = memo.get(layout)
+            if keys is None:
+                keys = memo[layout] = self.prompt_keys(address, prompt_ids)
+            out[address] = self.index.cached_pages(address, keys)
+        return out
+
+    def speculate(self, address: str, prompt_ids: Sequence[int]) -> None:
+        self.index.speculate(address, self.prompt_keys(address, prompt_ids))
+
+    # ---- one worker's stream --------------------------------------------------------------
+    def _follow(self, worker: Followed) -> None:
+        address = worker.address
+        while not self._stop.is_set():
+            with self._lock:
+                if address not in self._streams:
+                    return  # it left
+                call = worker.open_stream(common_pb2.CacheEventsRequest(
+                    heartbeat_ms=self._heartbeat_ms))
+                self._streams[address] = call
+            try:
+                for batch in call:  # type: ignore[attr-defined]
+                    if batch.snapshot:
+                        fp = wire.fingerprint_from_pb(batch.fingerprint)
+                        if fp is not None:
+                            self._layout[address] = (root_key(fp), fp.block_size)
+                    if not self.index.apply(address, batch.epoch, batch.sequence,
+                                            batch.snapshot, batch.stored, batch.removed):
+                        log.info("cache events of %s: gap or new epoch; resubscribing", address)
+                        call.cancel()
+                        break
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("%s serves no cache events: placed by load only", address)
+                    with self._lock:
+                        self._unsupported.add(address)
+                        self._streams.pop(address, None)
+                    self._forget(address)
+                    return
+                log.debug("cache events of %s ended: %s", address, exc.code().name)
+            self.index.drop(address)
+            if self._stop.wait(self._retry_s):
+                return
+
+    def _forget(self, address: str) -> None:
+        self.index.drop(address)
+        self._layout.pop(address, None)
