@@ -32,10 +32,10 @@ from collections.abc import Hashable, Iterable
 
 import torch
 from pdserve.common.layout import pages_for_tokens
-from pdserve.common.prefix import page_keys, root_key
 from pdserve.engine.batch import Batch
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
 
@@ -68,9 +68,8 @@ class Engine:
         self.device = torch.device(device)
         self.pool = KVPool(model.fingerprint(config.block_size), config.num_pages, device)
         self.allocator = PageAllocator(config.num_pages, caching=config.prefix_caching)
-        self.root_key = root_key(self.pool.fingerprint)
-        self.num_prompt_tokens_seen = 0  # prompt tokens admitted (prefix-cache hit rate)
-        self.num_prompt_tokens_hit = 0   # ... of which the cache supplied
+        self.prefix = PrefixCache(self.allocator, self.pool.fingerprint,
+                                  enabled=config.prefix_caching)
         self._reserved_hits: dict[Hashable, int] = {}  # reservation -> cached pages it pinned
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -133,14 +132,14 @@ class Engine:
         """`reserve` for a known prompt: the leading full pages this pool already holds
         (never the page of the prompt's last token) are pinned under `owner` first, and only
         the rest is newly allocated. Returns (cached pages, the new page ids): the handoff
-        has to fill only the new ones. `boundary_key` then names the last cached page."""
+        has to fill only the new ones."""
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
         live = len(self.running) + len(self.waiting) + self.num_reserved
         if live >= self.config.max_num_seqs:
             raise OutOfPages(f"{live} sequences running or reserved (max_num_seqs "
                              f"{self.config.max_num_seqs})")
-        hits = self._lookup(prompt_ids, []) if lookup else []
+        hits = self.prefix.lookup(prompt_ids, []) if lookup else []
         need = pages_for_tokens(len(prompt_ids), self.config.block_size) - len(hits)
         if not self.allocator.can_take(hits, need):
             raise OutOfPages(f"need {need} pages, {self.allocator.num_free} of "
@@ -149,25 +148,7 @@ class Engine:
         new = self.allocator.allocate(owner, need)
         if hits:
             self._reserved_hits[owner] = len(hits)
-        self.num_prompt_tokens_seen += len(prompt_ids) if lookup else 0
-        self.num_prompt_tokens_hit += len(hits) * self.config.block_size
         return len(hits), new
-
-    def boundary_key(self, prompt_ids: list[int], num_pages: int) -> int:
-        """The prefix-cache key of the prompt's page `num_pages - 1` (0 for none)."""
-        if num_pages <= 0:
-            return 0
-        return page_keys(self.root_key, prompt_ids, self.config.block_size, num_pages)[-1]
-
-    def _lookup(self, token_ids: list[int], keys: list[int]) -> list[int]:
-        """Cached pages of the longest run of leading full pages of `token_ids`, leaving at
-        least the last token to compute; `keys` (the sequence's known keys) is extended."""
-        if not self.config.prefix_caching:
-            return []
-        bs = self.config.block_size
-        max_pages = (len(token_ids) - 1) // bs
-        page_keys(self.root_key, token_ids, bs, max_pages, keys)
-        return self.allocator.lookup(keys[:max_pages], token_ids, bs)
 
     @property
     def num_reserved(self) -> int:
@@ -205,7 +186,7 @@ class Engine:
         seq = Sequence(seq_id, [*prompt_ids, first_token], len(prompt_ids), params,
                        make_generator(params, self.device), num_cached=len(prompt_ids))
         self.seqs[seq_id] = seq
-        self._cache_full_pages(seq)  # the prompt's pages landed: reusable from now on
+        self.prefix.offer(seq)  # the prompt's pages landed: reusable from now on
         reason = self._finish_reason(seq)
         if reason:
             self._finish(seq, reason)
@@ -280,7 +261,7 @@ class Engine:
     def _admit(self, seq: Sequence) -> bool:
         """Pages for a sequence that holds none: cached leading pages shared, the rest new.
         False (nothing taken) when they do not fit now."""
-        hits = self._lookup(seq.token_ids, seq.page_keys)
+        hits = self.prefix.lookup(seq.token_ids, seq.page_keys)
         need = pages_for_tokens(seq.num_tokens, self.config.block_size) - len(hits)
         if not self.allocator.can_take(hits, need):
             return False
@@ -290,22 +271,7 @@ class Engine:
         seq.num_keyed = len(hits)
         if seq.num_generated == 0:  # not a recompute after preemption
             seq.num_prefix_hit = seq.num_cached
-            self.num_prompt_tokens_seen += seq.num_tokens
-            self.num_prompt_tokens_hit += seq.num_cached
         return True
-
-    def _cache_full_pages(self, seq: Sequence) -> None:
-        """Offer the sequence's newly completed full pages to the prefix cache."""
-        bs = self.config.block_size
-        full = seq.num_cached // bs
-        if full <= seq.num_keyed or not self.config.prefix_caching:
-            return
-        keys = page_keys(self.root_key, seq.token_ids, bs, full, seq.page_keys)
-        pages = self.allocator.pages_of(seq.seq_id)
-        for i in range(seq.num_keyed, min(full, len(pages))):
-            self.allocator.cache(pages[i], keys[i], keys[i - 1] if i else 0,
-                                 seq.token_ids[i * bs:(i + 1) * bs])
-        seq.num_keyed = full
 
     def _run(self, decodes: list[Sequence], plan: list[tuple[Sequence, int]]
              ) -> list[StepOutput]:
@@ -325,7 +291,7 @@ class Engine:
         logits = self.model(batch, self.pool.tensor)
         for seq, n in plan:
             seq.num_cached += n
-            self._cache_full_pages(seq)
+            self.prefix.offer(seq)
         finished = [i for i, (seq, _) in enumerate(plan) if seq.num_cached == seq.num_tokens]
         rows = list(range(len(decodes))) + [len(decodes) + i for i in finished]
         seqs = decodes + [plan[i][0] for i in finished]
@@ -339,7 +305,7 @@ class Engine:
         for seq, token in zip(decodes, tokens):
             seq.num_cached = seq.num_tokens
             if seq.num_cached // self.config.block_size > seq.num_keyed:
-                self._cache_full_pages(seq)
+                self.prefix.offer(seq)
             outputs.append(self._append(seq, token, ms, prefill=False))
         for seq, token in zip(seqs[len(decodes):], tokens[len(decodes):]):
             self.waiting.remove(seq)

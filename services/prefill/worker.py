@@ -128,7 +128,7 @@ class PrefillWorker:
             raise InvalidArgument(f"destination.first_page={dest.first_page}: the decode side "
                                   f"cannot hold the page of the prompt's last token (prompt "
                                   f"of {len(request.token_ids)} tokens, {bs} a page)")
-        mine = self.engine.boundary_key(request.token_ids, dest.first_page)
+        mine = self.engine.prefix.boundary_key(request.token_ids, dest.first_page)
         if mine != dest.boundary_key:
             raise FailedPrecondition(
                 f"{request.request_id}: the decode side's cached prefix ends at page "

@@ -20,7 +20,7 @@ class EnginePages:
             if prompt_ids is None:
                 return ReservedPages(e.reserve(key, num_prompt_tokens))
             cached, new = e.reserve_prompt(key, prompt_ids)
-            return ReservedPages(new, cached, e.boundary_key(prompt_ids, cached))
+            return ReservedPages(new, cached, e.prefix.boundary_key(prompt_ids, cached))
         try:
             return self._loop.submit(take)
         except OutOfPages as exc:
