@@ -18,6 +18,10 @@ for _service in ("UP", "ROUTER", "PREFILL", "DECODE", "COLOCATED"):
 # (the default, 8000, would collide between tests and stacks running at once).
 for _var in ("PDSERVE_ROUTER_HTTP_PORT", "PDSERVE_UP_HTTP_PORT"):
     os.environ.setdefault(_var, "0")
+# Every router a test starts sends each prompt through the prefill pool and a KV handoff (the
+# path most tests are about): prefilling a short uncached part on the decode worker instead,
+# the router's default, is tests/service/test_prefix_reuse.py's, which asks for it.
+os.environ.setdefault("PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS", "0")
 
 
 @pytest.fixture(scope="session")

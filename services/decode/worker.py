@@ -17,12 +17,12 @@ from pdserve.common.errors import InvalidArgument, Unavailable
 from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, Outputs
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
-from pdserve.worker.streams import token_events
+from pdserve.worker.streams import first_output, token_events
 from pdserve.worker.types import DecodeEvent, DecodeRequest, Reservation, WorkerStats
 
 
@@ -94,6 +94,10 @@ class DecodeWorker:
         rid = request.ticket.request_id
         failpoints.hit("decode.start", rid)
 
+        if request.local_prefill:
+            yield from self._prefill_here(request, received)
+            return
+
         def into_batch(lease: Lease) -> tuple[str | None, object]:
             try:
                 return self.loop.start_sequence(rid, lambda e: e.add_prefilled(
@@ -111,6 +115,38 @@ class DecodeWorker:
                                       lambda why: self.metrics.finished.labels(why).inc()):
                 failpoints.hit("decode.token", rid)
                 yield event
+        finally:
+            self.loop.unsubscribe(rid)
+            self._abort_sequence(rid)  # no-op when it finished
+
+    def _prefill_here(self, request: DecodeRequest, received: float) -> Iterator[DecodeEvent]:
+        """No handoff: compute the prompt's uncached part into the reserved pages (its cached
+        leading pages are already pinned there), then decode as usual. The first event carries
+        the first token and the prefill's timing."""
+        rid = request.ticket.request_id
+
+        def into_queue(lease: Lease) -> Outputs:
+            try:
+                return self.loop.start_sequence(rid, lambda e: e.add_request(
+                    rid, request.prompt_ids, request.params, reservation=lease.key))[1]
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+
+        outputs = self.leases.adopt(request.ticket, into_queue, handoff=False)
+        try:
+            out = first_output(outputs, rid, self.token_wait_s,
+                               lambda: self.loop.abort(rid, "timed out"))
+            now = time.perf_counter()
+            queue_ms = max(0.0, (now - received) * 1e3 - out.prefill_ms)
+            if out.finish_reason:
+                self.metrics.finished.labels(out.finish_reason).inc()
+            yield DecodeEvent([out.token] if out.token is not None else [],
+                              out.finish_reason or "", (now - received) * 1e3, out.prefill_ms,
+                              queue_ms, out.cached_tokens)
+            if out.finish_reason:
+                return
+            yield from token_events(outputs, rid, self.token_wait_s,
+                                    lambda why: self.metrics.finished.labels(why).inc())
         finally:
             self.loop.unsubscribe(rid)
             self._abort_sequence(rid)  # no-op when it finished

@@ -379,8 +379,8 @@ class Engine:
         seq.finish_reason = reason
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:  # (not when its prefill
+            self.waiting.remove(seq)  # step just took it off the queue: it ends at its token)
         seq.status = Status.FINISHED
         self.allocator.free(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)

@@ -31,19 +31,26 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from pdserve.common import failpoints, tracing, wire
 from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
 from pdserve.common.requestids import attempt_id, new_nonce
+from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.cancel import CallScope, ClientCancelled
-from pdserve.router.placement import rank_decode, rank_prefill
+from pdserve.router.placement import (
+    DEFAULT_WEIGHTS,
+    Placement,
+    Weights,
+    place_decode,
+    place_prefill,
+)
 from pdserve.router.pool import Worker, WorkerPool
 from pdserve.router.renewal import LeaseKeeper
 from pdserve.router.reservation import ReservationHandle
+from pdserve.router.started import DecodeStream, Started
 from pdserve.router.validation import Generation
 from pdserve.router.watchdog import Watchdog
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -59,36 +66,6 @@ LEASE_MARGIN_S = 10.0  # decode leases = the prefill deadline + this
 
 def _release_when_done(pool: WorkerPool, worker: Worker, _future: grpc.Future) -> None:
     pool.release(worker)
-
-
-@dataclass
-class Started:
-    """A request whose first token is known and, unless it ended there, whose decode stream
-    is open with its first message read."""
-
-    reservation: ReservationHandle
-    prefill_address: str
-    prefill: prefill_pb2.PrefillResponse
-    prefill_sent: float  # clock() when the successful Prefill call went out
-    attempts: int
-    decode: DecodeStream | None  # None when the first token ended the request
-
-    @property
-    def prefill_worker(self) -> str:
-        return self.prefill.worker_id or self.prefill_address
-
-
-@dataclass
-class DecodeStream:
-    """An open Decode call: its first message (decode_start_ms), the rest, and its span."""
-
-    call: Any  # the grpc stream (iterator of DecodeResponse, with .cancel())
-    first: decode_pb2.DecodeResponse
-    span: tracing.Span
-
-    def messages(self) -> Iterator[decode_pb2.DecodeResponse]:
-        yield self.first
-        yield from self.call
 
 
 class _Retry(Exception):
@@ -108,8 +85,14 @@ class AttemptRunner:
     def __init__(self, pool: WorkerPool, *, max_retries: int = 1, reserve_timeout_s: float = 5.0,
                  prefill_timeout_s: float = 120.0, abort_timeout_s: float = 5.0,
                  decode_start_timeout_s: float = 30.0, renew_lease_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 cache: CacheFeeds | None = None, weights: Weights = DEFAULT_WEIGHTS,
+                 remote_prefill_min_tokens: int = 0):
         self._pool = pool
+        self._cache = cache  # None: placement by load only
+        self._weights = weights
+        # An uncached part shorter than this is prefilled by the decode worker (0: never).
+        self._remote_prefill_min_tokens = remote_prefill_min_tokens
         self._max_retries = max_retries
         self._reserve_timeout_s = reserve_timeout_s
         self._prefill_timeout_s = prefill_timeout_s
@@ -162,13 +145,19 @@ class AttemptRunner:
         reservation = self._reserve(gen, worker_request_id, scope, avoid_decode)
         try:
             failpoints.hit("router.reserved", worker_request_id)
-            address, reply, sent = self._prefill(gen, worker_request_id, reservation, scope,
-                                                 avoid_prefill)
+            uncached = len(gen.prompt_ids) - reservation.cached_tokens
+            if uncached < self._remote_prefill_min_tokens and \
+                    reservation.destination.agent_address != "local":  # not co-located
+                return self._prefill_on_decode(gen, reservation, scope, attempt,
+                                               ends_at_first_token)
+            address, reply, sent, why = self._prefill(gen, worker_request_id, reservation,
+                                                      scope, avoid_prefill)
             stream = None
             if not ends_at_first_token(reply.first_token):
                 stream = self._start_decode(gen, reservation, reply.first_token, scope)
                 reservation.stop_renewing()  # the sequence owns the pages now
-            return Started(reservation, address, reply, sent, attempt, stream)
+            return Started(reservation, address, reply, sent, attempt, stream,
+                           placement=f"decode {reservation.placement}; prefill {why}")
         except _Retry as failure:
             reservation.release(f"attempt {attempt} failed ({failure}); retrying")
             raise
@@ -179,7 +168,8 @@ class AttemptRunner:
     def _reserve(self, gen: Generation, worker_request_id: str, scope: CallScope,
                  avoid: set[str]) -> ReservationHandle:
         num_tokens = len(gen.prompt_ids)
-        ranked = rank_decode(self._pool.decode_loads(), num_tokens, avoid)
+        placement = self._place_decode(gen, avoid)
+        ranked = placement.ranked
         if not ranked:
             raise Unavailable("no healthy decode worker")
         # The lease must outlive the longest prefill this router waits for; it only matters
@@ -199,7 +189,7 @@ class AttemptRunner:
             try:
                 reply = self._call(scope, "router.reserve", stub.Reserve, request,
                                    self._reserve_timeout_s, f"decode {address}", "reserve",
-                                   address, decode=address)
+                                   address, decode=address, placement=placement.explain())
             except (ClientCancelled, _Retry) as failure:
                 # The worker may still have granted it after we stopped waiting: release it
                 # (by request id) so the pages do not sit out the whole lease.
@@ -218,9 +208,13 @@ class AttemptRunner:
                     continue
                 raise
             self._pool.note_reserved(worker, len(reply.destination.page_ids))
-            return ReservationHandle(stub, address, reply, self._abort_timeout_s,
-                                     on_done=functools.partial(self._pool.release, worker),
-                                     keeper=self._keeper)
+            if self._cache is not None:
+                self._cache.speculate(address, gen.prompt_ids)
+            handle = ReservationHandle(stub, address, reply, self._abort_timeout_s,
+                                       on_done=functools.partial(self._pool.release, worker),
+                                       keeper=self._keeper)
+            handle.placement = placement.explain()
+            return handle
         if full:  # every reachable decode worker said it has no room: tell the client now
             raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
                                     f"(full: {', '.join(full)})")
@@ -228,9 +222,13 @@ class AttemptRunner:
 
     def _prefill(self, gen: Generation, worker_request_id: str, reservation: ReservationHandle,
                  scope: CallScope, avoid: set[str]
-                 ) -> tuple[str, prefill_pb2.PrefillResponse, float]:
+                 ) -> tuple[str, prefill_pb2.PrefillResponse, float, str]:
         num_tokens = len(gen.prompt_ids)
-        for address in rank_prefill(self._pool.prefill_loads(), avoid):
+        loads = self._pool.prefill_loads()
+        cached = self._cache.cached_pages([w.address for w in loads], gen.prompt_ids) \
+            if self._cache is not None else {}
+        placement = place_prefill(loads, num_tokens, cached, self._weights, avoid)
+        for address in placement.ranked:
             worker = self._pool.acquire("prefill", address, num_tokens)
             if worker is not None:  # else it left the pool since the ranking
                 break
@@ -245,13 +243,54 @@ class AttemptRunner:
             reply = self._call(scope, "router.prefill", worker.prefill.Prefill, request,
                                self._prefill_timeout_s, f"prefill {address}",
                                f"prefill + KV handoff to decode {reservation.address}", address,
-                               prefill=address, decode=reservation.address)
+                               prefill=address, decode=reservation.address,
+                               placement=placement.explain())
         finally:
             self._pool.release(worker, num_tokens)
-        return address, reply, sent
+        if self._cache is not None:
+            self._cache.speculate(address, gen.prompt_ids)
+        return address, reply, sent, placement.explain()
+
+    def _place_decode(self, gen: Generation, avoid: set[str]) -> Placement:
+        loads = self._pool.decode_loads()
+        cached = self._cache.cached_pages([w.address for w in loads], gen.prompt_ids) \
+            if self._cache is not None else {}
+        return place_decode(loads, len(gen.prompt_ids), cached, self._weights, avoid)
+
+    def _prefill_on_decode(self, gen: Generation, reservation: ReservationHandle,
+                           scope: CallScope, attempt: int,
+                           ends_at_first_token: Callable[[int], bool]) -> Started:
+        """The decode worker computes the prompt's short uncached part itself: no prefill
+        call, no handoff. Its first message carries the first token and the prefill's times."""
+        sent = self._clock()
+        stream = self._start_decode(gen, reservation, 0, scope, local=True)
+        reservation.stop_renewing()
+        first = stream.first
+        if not first.token_ids:
+            stream.call.cancel()
+            stream.span.end()
+            raise _Retry(f"decode {reservation.address} prefilled without a first token",
+                         decode=reservation.address)
+        reply = prefill_pb2.PrefillResponse(
+            first_token=first.token_ids[0], queue_ms=first.queue_ms, prefill_ms=first.prefill_ms,
+            worker_id=reservation.ticket.decode_worker or reservation.address,
+            cached_tokens=first.cached_tokens)
+        rest = decode_pb2.DecodeResponse(decode_start_ms=first.decode_start_ms,
+                                         token_ids=first.token_ids[1:],
+                                         finish_reason=first.finish_reason)
+        started: DecodeStream | None = DecodeStream(stream.call, rest, stream.span)
+        ends = ends_at_first_token(reply.first_token)  # always asked: it counts the attempt
+        if ends or first.finish_reason:
+            stream.call.cancel()
+            stream.span.end()
+            started = None
+        return Started(reservation, reservation.address, reply, sent, attempt, started,
+                       prefill_on="decode", placement=f"decode {reservation.placement}; "
+                       f"prefill on decode ({len(gen.prompt_ids) - reservation.cached_tokens} "
+                       f"uncached tokens < {self._remote_prefill_min_tokens})")
 
     def _start_decode(self, gen: Generation, reservation: ReservationHandle, first_token: int,
-                      scope: CallScope) -> DecodeStream:
+                      scope: CallScope, local: bool = False) -> DecodeStream:
         """Open D's Decode stream and wait for its first message (the sequence is live)."""
         scope.check()
         span = tracing.start_span("router.decode_stream", kind=tracing.CLIENT,
@@ -259,7 +298,8 @@ class AttemptRunner:
                                   request_id=reservation.ticket.request_id)
         call = reservation.stub.Decode(decode_pb2.DecodeRequest(
             ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first_token,
-            sampling=wire.sampling_to_pb(gen.sampling)), metadata=tracing.outgoing_metadata(span))
+            sampling=wire.sampling_to_pb(gen.sampling), local_prefill=local),
+            metadata=tracing.outgoing_metadata(span))
         timed_out = threading.Event()
 
         def give_up() -> None:
@@ -301,14 +341,15 @@ class AttemptRunner:
 
     def _call(self, scope: CallScope, span_name: str, method: grpc.UnaryUnaryMultiCallable,
               request: Any, timeout_s: float, peer: str, phase: str, address: str, *,
-              prefill: str | None = None, decode: str | None = None) -> Any:
+              prefill: str | None = None, decode: str | None = None,
+              placement: str = "") -> Any:
         """One unary call that client cancellation interrupts; errors sorted by what to do and
         named by the `peer` and the `phase` they happened in.
 
         Traced as a client span (router.reserve, router.prefill) whose context the call
         carries, so the worker's span is its child."""
         with tracing.span(span_name, kind=tracing.CLIENT, worker=address,
-                          request_id=getattr(request, "request_id", "")):
+                          request_id=getattr(request, "request_id", ""), placement=placement):
             scope.check()
             future = method.future(request, timeout=timeout_s,
                                    metadata=tracing.outgoing_metadata())

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
+from pdserve.router.placement import Weights
 from pdserve.router.targets import FORMS, Target, parse_target
 
 SERVICE = "router"
@@ -42,6 +43,23 @@ class RouterConfig(ServerConfig):
                                      "dead router's pages come back after it (ms; 0: no "
                                      "renewal, leases last --prefill-timeout-s + 10 s)")
     health_interval_s: float = option(1.0, "how often every worker's health and Stats are read (s)")
+    cache_aware: bool = option(True, "place requests where their prompt's KV already is: follow "
+                                     "every worker's prefix-cache events and weigh the tokens "
+                                     "each would not have to compute or receive against its "
+                                     "load (--no-cache-aware: by load only)")
+    cache_weight: float = option(1.0, "placement cost per prompt token a worker would have to "
+                                      "compute or receive")
+    sequence_weight: float = option(32.0, "placement cost per sequence already in a decode "
+                                          "worker's batch, in prompt tokens")
+    max_imbalance: float = option(1.5, "a decode worker with more than this many times the "
+                                       "least loaded one's sequences (plus --imbalance-slack) "
+                                       "is passed over, however much of the prompt it holds")
+    imbalance_slack: int = option(4, "sequences a decode worker may run over the "
+                                     "--max-imbalance line")
+    remote_prefill_min_tokens: int = option(64, "a prompt whose part the chosen decode worker "
+                                                "lacks is shorter than this many tokens is "
+                                                "prefilled by the decode worker itself (no "
+                                                "prefill call, no KV handoff); 0: never")
     max_streams: int = option(256, "Generate streams served at once (server threads), per API")
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
                                           "without a certificate from that CA")
@@ -65,11 +83,20 @@ class RouterConfig(ServerConfig):
         require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
                 "0..65535, or -1 (off)")
         require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
+        for name in ("cache_weight", "sequence_weight", "imbalance_slack",
+                     "remote_prefill_min_tokens"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        require(self.max_imbalance >= 1, "max_imbalance", self.max_imbalance, ">= 1")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         require(0 <= self.lease_ms < 1e9, "lease_ms", self.lease_ms, ">= 0 (0 = not renewed)")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s",
                      "discovery_interval_s", "decode_start_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+
+    @property
+    def weights(self) -> Weights:
+        return Weights(self.cache_weight, self.sequence_weight, self.max_imbalance,
+                       self.imbalance_slack)
 
     def targets(self, role: str) -> list[Target]:
         """The parsed --prefill or --decode entries."""

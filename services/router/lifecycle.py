@@ -36,11 +36,14 @@ from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
 from pdserve.router.api import Delta, Finish, GenerateInput, StreamEvent, Timing
-from pdserve.router.attempts import AttemptRunner, DecodeStream, Started
+from pdserve.router.attempts import AttemptRunner
+from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.detokenizer import OutputText
+from pdserve.router.placement import DEFAULT_WEIGHTS, Weights
 from pdserve.router.pool import WorkerPool
 from pdserve.router.record import RequestRecord
+from pdserve.router.started import DecodeStream, Started
 from pdserve.router.timing import TokenClock, queue_ms
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import Generation, validate
@@ -96,7 +99,8 @@ class Lifecycle:
                  max_retries: int = 1, prefill_timeout_s: float = 120.0,
                  reserve_timeout_s: float = 5.0, decode_start_timeout_s: float = 30.0,
                  renew_lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, cache: CacheFeeds | None = None,
+                 weights: Weights = DEFAULT_WEIGHTS, remote_prefill_min_tokens: int = 0):
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics()
         self._tokenizer = tokenizer
@@ -105,7 +109,9 @@ class Lifecycle:
                                      reserve_timeout_s=reserve_timeout_s,
                                      prefill_timeout_s=prefill_timeout_s,
                                      decode_start_timeout_s=decode_start_timeout_s,
-                                     renew_lease_s=renew_lease_s)
+                                     renew_lease_s=renew_lease_s, cache=cache,
+                                     weights=weights,
+                                     remote_prefill_min_tokens=remote_prefill_min_tokens)
         self._draining = False
 
     def close(self) -> None:
@@ -180,12 +186,15 @@ class Lifecycle:
         timing = _timing(rid, started, received)
         record.prefill, record.decode = timing.prefill_worker, timing.decode_worker
         record.attempts = timing.attempts
+        record.placement = started.placement
+        record.prefill_on, record.cached_tokens = timing.prefill_on, timing.cached_tokens
         span.set_attributes({"kv_pages": timing.kv_pages, "kv_transport": timing.kv_transport,
                              "prompt_pages": timing.prompt_pages,
                              "cached_tokens": timing.cached_tokens,
                              "prefill_cached_tokens": timing.prefill_cached_tokens,
                              "decode_cached_tokens": timing.decode_cached_tokens,
-                             "prefill_on": timing.prefill_on})
+                             "prefill_on": timing.prefill_on,
+                             "placement": started.placement})
         first_delta = Delta(rid, completion.first_text, (started.prefill.first_token,))
         decode_finished = False
         try:
@@ -295,6 +304,8 @@ def _timing(rid: str, started: Started, received: float) -> Timing:
                   # 0 from a prefill worker that predates the field: it did not pipeline
                   kv_transfer_total_ms=reply.transfer.kv_transfer_total_ms
                   or reply.transfer.handoff_ms,
-                  cached_tokens=reply.cached_tokens, prefill_cached_tokens=reply.cached_tokens,
-                  decode_cached_tokens=started.reservation.cached_tokens,
-                  prompt_pages=dest.first_page + len(dest.page_ids))
+                  cached_tokens=reply.cached_tokens,
+                  prefill_cached_tokens=reply.cached_tokens if started.prefill_on == "prefill"
+                  else 0, decode_cached_tokens=started.reservation.cached_tokens,
+                  prompt_pages=dest.first_page + len(dest.page_ids),
+                  prefill_on=started.prefill_on)

@@ -25,6 +25,7 @@ from pdserve.common.security import (
 )
 from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
+from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.http_server import HttpFrontDoor
@@ -79,15 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--api-key-file: %s", exc)
         return 1
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys is not None else []
+    feeds = CacheFeeds() if cfg.cache_aware else None
     pool = WorkerPool(interval_s=cfg.health_interval_s,
-                      security=ChannelSecurity.from_options(cfg))
+                      security=ChannelSecurity.from_options(cfg),
+                      on_checked=feeds.sync if feeds is not None else None)
     discovery = Discovery(pool, cfg.targets("prefill"), cfg.targets("decode"),
                           interval_s=cfg.discovery_interval_s)
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
                           prefill_timeout_s=cfg.prefill_timeout_s,
                           reserve_timeout_s=cfg.reserve_timeout_s,
                           decode_start_timeout_s=cfg.decode_start_timeout_s,
-                          renew_lease_s=cfg.lease_ms / 1e3)
+                          renew_lease_s=cfg.lease_ms / 1e3, cache=feeds, weights=cfg.weights,
+                          remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
     servicer = RouterServicer(lifecycle)
     lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
     metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         if http is not None:
             http.stop()
         discovery.close()
+        if feeds is not None:
+            feeds.close()
         lifecycle.close()
         pool.close()
         shutdown_tracing()

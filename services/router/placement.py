@@ -74,6 +74,9 @@ class Weights:
     imbalance_slack: int = 4      # ... plus this many
 
 
+DEFAULT_WEIGHTS = Weights()
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One worker in a placement's explanation."""
@@ -106,7 +109,7 @@ class Placement:
 
 def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
                   cached_pages: Mapping[str, int] | None = None,
-                  weights: Weights = Weights(), avoid: Collection[str] = ()) -> Placement:
+                  weights: Weights = DEFAULT_WEIGHTS, avoid: Collection[str] = ()) -> Placement:
     """Healthy prefill workers, cheapest first: the prompt tokens each would compute (its
     cache's leading pages excluded) plus the prompt tokens already pending on it."""
     cached_pages = cached_pages or {}
@@ -125,7 +128,7 @@ def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
 
 def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
                  cached_pages: Mapping[str, int] | None = None,
-                 weights: Weights = Weights(), avoid: Collection[str] = ()) -> Placement:
+                 weights: Weights = DEFAULT_WEIGHTS, avoid: Collection[str] = ()) -> Placement:
     """Healthy decode workers, best first (see the module's docstring). Workers whose last
     Stats showed too little room still come (last): the Stats may be stale, and Reserve gives
     the real answer."""

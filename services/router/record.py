@@ -28,6 +28,9 @@ class RequestRecord:
     decode_start_ms: float | None = None
     ttft_ms: float | None = None
     kv_bytes: int = 0
+    prefill_on: str = ""      # "prefill" or "decode" (no handoff)
+    cached_tokens: int = 0    # prompt tokens not computed for this request
+    placement: str = ""       # why these workers: candidates, cached tokens, load, the decider
     tpot_ms: float = 0.0
     e2e_ms: float = 0.0
 

@@ -48,26 +48,34 @@ class RenewResponse(_message.Message):
     def __init__(self, not_held: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("ticket", "prompt_token_ids", "first_token", "sampling")
+    __slots__ = ("ticket", "prompt_token_ids", "first_token", "sampling", "local_prefill")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     ticket: _common_pb2.Ticket
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "decode_start_ms")
+    __slots__ = ("token_ids", "finish_reason", "decode_start_ms", "prefill_ms", "queue_ms", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DECODE_START_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     decode_start_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_start_ms: _Optional[float] = ...) -> None: ...
+    prefill_ms: float
+    queue_ms: float
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_start_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("ticket", "reason")

@@ -182,9 +182,12 @@ class LeaseBook:
             lease.busy = False
         return lease
 
-    def adopt(self, key: TicketKey, into: Callable[[Lease], T]) -> T:
+    def adopt(self, key: TicketKey, into: Callable[[Lease], T], *,
+              handoff: bool = True) -> T:
         """Close the window, check the handoff landed, and run `into(lease)`, which must move
-        the pages to a sequence. When anything fails the pages are freed and it re-raises."""
+        the pages to a sequence. When anything fails the pages are freed and it re-raises.
+        `handoff=False`: no handoff was sent (the worker computes the prompt itself); the
+        window is closed all the same, so nothing can land in the pages from now on."""
         if key.epoch != self.epoch:
             raise FailedPrecondition(f"stale ticket for {key.request_id}: epoch {key.epoch}, "
                                      f"decode worker {self.worker_id} is at epoch {self.epoch} "
@@ -202,7 +205,7 @@ class LeaseBook:
             self._idle(lease)  # tick retries the close, then frees the pages
             raise Unavailable(f"the kvtransfer agent could not close the write window of "
                               f"{key.request_id}; its pages stay held until it does")
-        if not closed.landed:
+        if handoff and not closed.landed:
             self._forget(lease, LeaseState.RELEASED)
             raise FailedPrecondition(f"KV handoff for {key.request_id} has not completed on "
                                      f"{self.worker_id}")

@@ -157,6 +157,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             list(request.prompt_token_ids),
             request.first_token,
             wire.sampling_from_pb(request.sampling),
+            request.local_prefill,
         )
         attrs: dict[str, Any] = {
             "request_id": request.ticket.request_id,
@@ -168,14 +169,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             for ev in self.worker.decode(domain):
                 if len(spans) == 1:  # the first message: the sequence is live in the batch
-                    spans[0].set_attribute("decode_start_ms", ev.decode_start_ms)
+                    spans[0].set_attributes({"decode_start_ms": ev.decode_start_ms,
+                                             "prefill_on": "decode" if domain.local_prefill
+                                             else "prefill", "prefill_ms": ev.prefill_ms,
+                                             "cached_tokens": ev.cached_tokens})
                     spans[0].end()
                     spans.append(tracing.start_span("decode.stream", kind=tracing.SERVER, **attrs))
                 tokens += len(ev.token_ids)
                 reason = ev.finish_reason or reason
                 yield decode_pb2.DecodeResponse(token_ids=ev.token_ids,
                                                 finish_reason=ev.finish_reason,
-                                                decode_start_ms=ev.decode_start_ms)
+                                                decode_start_ms=ev.decode_start_ms,
+                                                prefill_ms=ev.prefill_ms, queue_ms=ev.queue_ms,
+                                                cached_tokens=ev.cached_tokens)
         except BaseException as exc:
             tracing.record_error(spans[-1], exc)
             raise

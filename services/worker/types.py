@@ -46,6 +46,7 @@ class DecodeRequest:
     prompt_ids: list[int]
     first_token: int
     params: SamplingParams
+    local_prefill: bool = False  # compute the prompt here (no handoff; first_token unset)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class DecodeEvent:
     token_ids: list[int]
     finish_reason: str = ""
     decode_start_ms: float = 0.0
+    prefill_ms: float = 0.0   # local prefill's first message: its compute
+    queue_ms: float = 0.0     # ... and its wait before computing
+    cached_tokens: int = 0    # ... and the prompt tokens its reservation held cached
 
 
 @dataclass(frozen=True)

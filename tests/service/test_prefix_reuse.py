@@ -48,6 +48,8 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
+    # Every uncached part goes to the prefill pool here (tests/conftest.py), whatever its
+    # length; prefill on the decode worker has its own test below.
     with pdserve_stack(env={"PDSERVE_PREFILL_CHUNK_SIZE": "32"}) as s:
         yield s
 
@@ -111,3 +113,26 @@ def test_colocated_serving_reuses_its_cache(tiny_model_dir, hf):
     assert ids1 == _reference(hf, prompt)
     assert ids2 == _reference(hf, prompt + [7, 8, 9])
     assert timing1.cached_tokens == 0 and timing2.cached_tokens == 48
+
+
+def test_a_short_uncached_part_is_prefilled_on_the_decode_worker(tiny_model_dir, hf):
+    """Below --remote-prefill-min-tokens the decode worker computes what it lacks itself: no
+    prefill call, no handoff; a long uncached part still goes to the prefill pool."""
+    prompt = _tokens(5, 60)
+    with pdserve_stack(env={"PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS": "40"}) as s:
+        prefills = _metric(s.scrape("prefill-0"), "pdserve_prefill_requests_total")
+        ids1, _, timing1, _ = _generate(s, prompt)  # 60 uncached: the prefill pool
+        assert timing1.prefill_on == "prefill" and timing1.kv_pages == 4
+        turn2 = prompt + ids1 + [9] * 5
+        ids2, _, timing2, finish2 = _generate(s, turn2)  # 73 tokens, 64 held: 9 uncached
+        assert (timing2.prefill_on, timing2.kv_pages, timing2.kv_bytes) == ("decode", 0, 0)
+        assert timing2.cached_tokens == timing2.decode_cached_tokens == 64
+        assert timing2.prefill_worker == timing2.decode_worker and timing2.prefill_ms > 0
+        assert _metric(s.scrape("prefill-0"), "pdserve_prefill_requests_total") == prefills + 1
+        # A first token that ends the request there (max_tokens 1) frees the pages too.
+        one = collect(s.generate(token_ids=turn2 + [4], max_tokens=1, temperature=0.0))
+        assert one[3].completion_tokens == 1 and one[2].prefill_on == "decode"
+        stats = s.decode_stats()
+        assert stats.free_pages == stats.num_pages and stats.reserved_tickets == 0
+    assert ids1 == _reference(hf, prompt) and ids2 == _reference(hf, turn2)
+    assert finish2.completion_tokens == MAX_TOKENS

@@ -102,3 +102,22 @@ def test_loop_refuses_a_duplicate_sequence_and_wakes_the_reader_of_an_aborted_on
         assert "s" not in engine.seqs and engine.allocator.num_free == 64
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("role", ["colocated", "decode"])
+def test_a_prompt_that_ends_at_its_first_token_finishes_cleanly(tiny, role):
+    """max_tokens=1 where the engine prefills and decodes: the prefill step ends the sequence
+    (it once failed the whole step, every sequence in it with it)."""
+    engine = _engine(tiny, role=role, num_pages=16)
+    try:
+        engine.add_request("one", list(range(5, 40)), SamplingParams(max_tokens=1,
+                                                                     temperature=0.0))
+        engine.add_request("more", list(range(50, 60)), SamplingParams(max_tokens=3,
+                                                                       temperature=0.0))
+        outs = _step_until(engine, lambda o: any(x.seq_id == "one" for x in o))
+        one = [o for o in outs if o.seq_id == "one"][0]
+        assert one.finish_reason == "length" and one.token is not None
+        _step_until(engine, lambda o: any(x.finish_reason for x in o if x.seq_id == "more"))
+        assert not engine.seqs and engine.allocator.num_free == 16
+    finally:
+        engine.close()
