@@ -125,8 +125,13 @@ class HttpApi:
                               headers={"WWW-Authenticate": "Bearer"})
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self._lifecycle.model_name, "object": "model", "created": self._started,
-                "owned_by": "pdserve"}
+        """OpenAI's model object, with vLLM's `max_model_len`: the context served, prompt +
+        max_tokens (longer requests are refused with a 400)."""
+        card: dict[str, Any] = {"id": self._lifecycle.model_name, "object": "model",
+                                "created": self._started, "owned_by": "pdserve"}
+        if self._lifecycle.max_model_len is not None:
+            card["max_model_len"] = self._lifecycle.max_model_len
+        return card
 
     def _refusal_or_unready(self, request: Request) -> Response | None:
         """A missing key's 401, else /health's 503 while the router cannot serve."""

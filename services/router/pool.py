@@ -279,6 +279,15 @@ class WorkerPool:
             missing.append(f"no healthy {role} worker yet ({seen}{more})")
         return "; ".join(missing)
 
+    def max_model_len(self) -> int | None:
+        """The longest sequence every healthy worker serves (the least they report in Stats);
+        None before any has reported it."""
+        with self._lock:
+            reported = [w.stats.max_model_len for w in self._workers.values()
+                        if w.member and w.healthy and w.stats is not None
+                        and w.stats.max_model_len > 0]
+        return min(reported, default=None)
+
     def addresses(self, role: str) -> list[str]:
         """The members of `role` (healthy or not), in the order they joined."""
         with self._lock:
