@@ -136,7 +136,8 @@ class ColocatedWorker:
         e = self.engine
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
-                           e.pool.fingerprint, reserved_tickets=len(self.leases))
+                           e.pool.fingerprint, reserved_tickets=len(self.leases),
+                           max_model_len=e.max_model_len)
 
     def stop(self) -> None:
         self.admitting = False

@@ -145,7 +145,7 @@ class PrefillWorker:
         e = self.engine
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
-                           e.pool.fingerprint)
+                           e.pool.fingerprint, max_model_len=e.max_model_len)
 
     def stop(self) -> None:
         self.admitting = False

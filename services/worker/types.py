@@ -66,3 +66,4 @@ class WorkerStats:
     queued_prompt_tokens: int
     fingerprint: LayoutFingerprint
     reserved_tickets: int = 0
+    max_model_len: int = 0  # prompt + output tokens of the longest sequence served
