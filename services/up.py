@@ -66,7 +66,8 @@ class UpConfig:
     metrics_port: int = option(9051, "router's /metrics port; the others count up from it as the "
                                      "gRPC ports do: prefill +10, decode +20, agents +30, "
                                      "co-located +40 (0 = any free port, -1 = off)")
-    kv_cache_mb: int = option(256, "KV pool per worker (MiB)")
+    kv_cache_mb: int = option(0, "KV pool per worker (MiB; 0: 512, grown to hold one "
+                                 "full-context sequence; set, it must hold one)")
     cpu_partition: bool = option(True, "disaggregated mode: pin the prefill and the decode "
                                        "workers to cores of their own (as separate pods would "
                                        "be); each sizes its torch threads to its cores")
@@ -94,7 +95,7 @@ class UpConfig:
     def __post_init__(self) -> None:
         require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
         require(self.decode >= 1, "decode", self.decode, ">= 1")
-        require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
+        require(self.kv_cache_mb >= 0, "kv_cache_mb", self.kv_cache_mb, ">= 0")
         require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
                 "0..65535, or -1 (off)")
         require(-1 <= self.metrics_port <= 65535 - 50, "metrics_port", self.metrics_port,

@@ -52,7 +52,23 @@ def render() -> str:
                 text += f" ({', '.join(map(str, f.metadata['choices']))})"
             out.append(f"| `{flag}` | `{env_name(service, f.name)}` | `{_default(f.default)}` | {text} |")
         out.append("")
-    out += ["## Standard OpenTelemetry variables", "",
+    out += ["## The KV pool and the context", "",
+            "A worker's pool holds at least one full-context sequence, checked at start, so a",
+            "request within the context is never refused later for want of pages: `max_model_len`",
+            "(prompt + output tokens; the model's `max_position_embeddings` unless",
+            "`--max-model-len` lowers it) tokens on a decode or co-located worker, `max_model_len - 1`",
+            "(the longest prompt) on a prefill worker. With neither `--kv-cache-mb` nor `--num-pages`",
+            "(both 0, the default) the pool is 512 MiB, grown to hold one full-context sequence when",
+            "that is more (the start-up log says so). SmolLM2-135M, the default model, keeps 46,080",
+            "bytes of fp32 KV per token: 8,192 tokens need 360 MiB, which the default 512 MiB holds",
+            "(728 pages; the old 256 MiB default of `pdserve up` held 364 and could not). A pool set",
+            "explicitly that cannot hold one full-context sequence stops the worker at start (exit 1)",
+            "with both numbers and the ways out: a bigger pool, or a lower `--max-model-len`.",
+            "Each worker reports its `max_model_len` in Stats; the router serves the least of them",
+            "(and of the model's config), shows it as `max_model_len` in `GET /v1/models`, and",
+            "refuses `prompt + max_tokens` beyond it (HTTP 400, gRPC INVALID_ARGUMENT, naming the",
+            "context). An omitted `max_tokens` is 128, lowered to the room the prompt leaves.", "",
+            "## Standard OpenTelemetry variables", "",
             "`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER_ARG` are read",
             "as the OpenTelemetry SDK defines them (tracing is off when no endpoint is set).", ""]
     return "\n".join(line for i, line in enumerate(out) if line or (i and out[i - 1])) + "\n"

@@ -86,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
     p.add_argument("--workload", default="fixed:128,64")
     p.add_argument("--concurrency", type=int, default=8, help="for measuring capacity")
-    p.add_argument("--kv-cache-mb", type=int, default=256,
+    p.add_argument("--kv-cache-mb", type=int, default=512,
                    help="KV pool per worker: room for the load's bursts (SmolLM2: 0.7 MB per "
-                        "16-token page), or requests are refused with RESOURCE_EXHAUSTED")
+                        "16-token page), or requests are refused with RESOURCE_EXHAUSTED; at "
+                        "least one full context (SmolLM2: 360 MiB), or the workers refuse to start")
     p.add_argument("--interval-s", type=float, default=10.0)
     p.add_argument("--rss-tolerance-mb", type=float, default=32.0)
     p.add_argument("--json", type=Path, help="write every sample and the verdict here")

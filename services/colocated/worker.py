@@ -143,7 +143,8 @@ class ColocatedWorker:
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
                            e.pool.fingerprint, reserved_tickets=len(self.leases),
-                           cached_pages=e.allocator.num_cached)
+                           cached_pages=e.allocator.num_cached,
+                           max_model_len=e.max_model_len)
 
     def stop(self) -> None:
         self.admitting = False

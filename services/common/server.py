@@ -224,7 +224,7 @@ class ServerHandle:
 
     def _follow_ready(self) -> None:
         failed_before = False
-        while not self._stop_requested.wait(READY_POLL_S):
+        while True:  # the first look at once: a service ready at start is SERVING at start
             try:
                 self.set_serving(bool(self._ready()))  # type: ignore[misc]
                 failed_before = False
@@ -233,6 +233,8 @@ class ServerHandle:
                     log.exception("%s readiness check failed; reporting NOT_SERVING", self.name)
                 failed_before = True
                 self.set_serving(False)
+            if self._stop_requested.wait(READY_POLL_S):
+                return
 
     def request_stop(self) -> None:
         """Begin draining (what SIGTERM does). Thread-safe; `wait()` then returns."""

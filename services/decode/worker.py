@@ -169,7 +169,8 @@ class DecodeWorker:
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
                            e.pool.fingerprint, reserved_tickets=len(self.leases or ()),
-                           cached_pages=e.allocator.num_cached)
+                           cached_pages=e.allocator.num_cached,
+                           max_model_len=e.max_model_len)
 
     def stop(self) -> None:
         self.admitting = False

@@ -50,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = 256        # running sequences in one decode batch
     chunk_size: int = 512          # prompt tokens of one sequence per prefill step
     max_prefill_tokens: int = 2048  # prompt tokens of all sequences per prefill step
+    max_model_len: int = 0         # prompt + output tokens of one sequence (0: the model's)
     prefix_caching: bool = True    # keep full pages for reuse by later prompts
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class EngineConfig:
         for name in ("block_size", "num_pages", "max_num_seqs", "chunk_size", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
 
 class Engine:
@@ -72,6 +75,8 @@ class Engine:
                                   enabled=config.prefix_caching)
         self._reserved_hits: dict[Hashable, int] = {}  # reservation -> cached pages it pinned
         self.eos_token_ids = frozenset(eos_token_ids)
+        # The context this engine serves: the model's, or less where the config lowers it.
+        self.max_model_len = min(config.max_model_len or model.max_context, model.max_context)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -83,16 +88,16 @@ class Engine:
         """Raise ValueError naming what is wrong with a prompt this engine cannot serve."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.model.max_context:
+        if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is "
-                             f"{self.model.max_context}")
+                             f"{self.max_model_len} (max_model_len)")
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary "
                              f"(size {self.model.vocab_size})")
         # A prefill worker holds only the prompt; the others also grow by the generated tokens.
         total = len(prompt_ids) if self.config.role == "prefill" else min(
-            len(prompt_ids) + params.max_tokens, self.model.max_context)
+            len(prompt_ids) + params.max_tokens, self.max_model_len)
         need = pages_for_tokens(total, self.config.block_size)
         if need > self.config.num_pages:
             what = "prompt" if self.config.role == "prefill" else "prompt + max_tokens"
@@ -371,7 +376,7 @@ class Engine:
     def _finish_reason(self, seq: Sequence) -> str | None:
         if not seq.params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
             return "stop"
-        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.model.max_context:
+        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

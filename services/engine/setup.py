@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,9 @@ from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.engine import builtin
 from pdserve.engine.engine import Engine, EngineConfig
 from pdserve.engine.model import PagedCausalLM, load_model
+from pdserve.engine.sizing import PoolPlan, plan_pool
+
+log = logging.getLogger("pdserve.engine")
 
 
 def model_dir(ref: ModelRef, progress: Callable[[str], None] | None = None) -> Path:
@@ -35,25 +39,30 @@ def eos_token_ids(model_dir: Path) -> list[int]:
     return ids
 
 
-def num_pages_for(model: PagedCausalLM, block_size: int, num_pages: int, kv_cache_mb: int) -> int:
-    if num_pages:
-        return num_pages
-    page_bytes = model.fingerprint(block_size).page_bytes
-    return max(1, kv_cache_mb * 2**20 // page_bytes)
+def pool_plan(model: PagedCausalLM, role: str, block_size: int, num_pages: int = 0,
+              kv_cache_mb: int = 0, max_model_len: int = 0) -> PoolPlan:
+    """The pool and context for `model` in `role` (see sizing.py); ValueError when the flags
+    cannot serve one full-context sequence."""
+    return plan_pool(role=role, page_bytes=model.fingerprint(block_size).page_bytes,
+                     block_size=block_size, model_context=model.max_context,
+                     max_model_len=max_model_len, num_pages=num_pages, kv_cache_mb=kv_cache_mb)
 
 
 def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "cpu",
-                 block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 512,
-                 chunk_size: int = 512, max_num_seqs: int = 256,
+                 block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 0,
+                 max_model_len: int = 0, chunk_size: int = 512, max_num_seqs: int = 256,
                  max_prefill_tokens: int = 2048,
                  prefix_caching: bool = True) -> tuple[Engine, Path]:
+    """The engine of a worker. Its pool holds at least one full-context sequence: sized so
+    (kv_cache_mb 0 and num_pages 0), or checked (ValueError naming both numbers)."""
     ref = resolve_model_name(model)
     directory = model_dir(ref)
     loaded = load_model(directory, dtype=dtype, device=device,
                         model_id=ref.name if ref.builtin_size else None)
-    config = EngineConfig(role=role, block_size=block_size,
-                          num_pages=num_pages_for(loaded, block_size, num_pages, kv_cache_mb),
-                          chunk_size=chunk_size, max_num_seqs=max_num_seqs,
-                          max_prefill_tokens=max_prefill_tokens,
+    plan = pool_plan(loaded, role, block_size, num_pages, kv_cache_mb, max_model_len)
+    log.info("%s", plan.describe(block_size, loaded.fingerprint(block_size).page_bytes))
+    config = EngineConfig(role=role, block_size=block_size, num_pages=plan.num_pages,
+                          max_model_len=plan.max_model_len, chunk_size=chunk_size,
+                          max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           prefix_caching=prefix_caching)
     return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(directory)), directory

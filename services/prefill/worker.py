@@ -178,7 +178,8 @@ class PrefillWorker:
         e = self.engine
         return WorkerStats(self.worker_id, self.role, e.allocator.num_pages, e.allocator.num_free,
                            len(e.running), len(e.waiting), e.queued_prompt_tokens,
-                           e.pool.fingerprint, cached_pages=e.allocator.num_cached)
+                           e.pool.fingerprint, cached_pages=e.allocator.num_cached,
+                           max_model_len=e.max_model_len)
 
     def stop(self) -> None:
         self.admitting = False

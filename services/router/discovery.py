@@ -3,9 +3,12 @@
 Each round expands every target (a `host:port` is itself, a `dns:///NAME:PORT` is every
 address record of NAME) and hands the union per role to `WorkerPool.set_members`, which adds
 the new workers and retires the gone ones. Rounds run every `interval_s` on a background
-thread, the first at once. A name that fails to resolve keeps the addresses it had last
-(logged, counted in `failures`; never fatal): a DNS outage must not empty a pool that is
-serving. A name that resolves to no address at all is the same as one that fails.
+thread, the first at once; while the pool is not ready, every `RESOLVE_UNREADY_S` (a
+Kubernetes headless Service publishes a pod's record only once the pod is ready: a router
+waiting for workers should not wait a whole interval to see one). A name that fails to
+resolve keeps the addresses it had last (logged, counted in `failures`; never fatal): a DNS
+outage must not empty a pool that is serving. A name that resolves to no address at all is
+the same as one that fails.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from pdserve.router.pool import ROLES, WorkerPool
+from pdserve.router.pool import RECHECK_DOWN_S, ROLES, WorkerPool
 from pdserve.router.targets import Resolver, Target, system_resolver
 
 log = logging.getLogger("pdserve.router.discovery")
+
+RESOLVE_UNREADY_S = RECHECK_DOWN_S
 
 
 class Discovery:
@@ -89,7 +94,8 @@ class Discovery:
                 self.refresh()
             except Exception:  # never let a bug end discovery silently
                 log.exception("discovery round failed")
-            self._stop.wait(self.interval_s)
+            ready = self._pool.ready()
+            self._stop.wait(self.interval_s if ready else min(self.interval_s, RESOLVE_UNREADY_S))
 
     def close(self) -> None:
         self._stop.set()

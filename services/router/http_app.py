@@ -2,7 +2,7 @@
 read or written. Protobuf never enters here; the lifecycle never sees HTTP.
 
     POST /v1/completions, POST /v1/chat/completions   streamed (SSE) or not
-    GET  /v1/models, /v1/models/{model}
+    GET  /v1/models, /v1/models/{model}               503 (as /health) until ready
     GET  /health                                      200 while the router is ready, else 503
     GET  /metrics                                     the router's Prometheus text
 
@@ -13,6 +13,10 @@ the first token are HTTP statuses in OpenAI's error shape; after it, an error ch
 stream. A client that disconnects (during prefill or mid-stream) cancels the request through
 its `CallScope`, which frees its pages on both workers. With API keys, every endpoint but
 /health and /metrics needs `Authorization: Bearer <key>`.
+
+Readiness: the model list answers 200 only when /health does (a healthy prefill and decode
+worker, not draining), else 503 with /health's reason, so a client that waits for
+/v1/models before its first request never meets "no healthy decode worker".
 """
 
 from __future__ import annotations
@@ -70,10 +74,11 @@ class HttpApi:
     """The endpoints, bound to one router's lifecycle."""
 
     def __init__(self, lifecycle: Lifecycle, executor: Executor, *, ready: Callable[[], bool],
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, unready_reason: Callable[[], str] | None = None):
         self._lifecycle = lifecycle
         self._executor = executor
         self._ready = ready
+        self._unready_reason = unready_reason
         self._keys = api_keys
         self._started = int(time.time())
 
@@ -89,12 +94,19 @@ class HttpApi:
 
     # --- open endpoints ----------------------------------------------------------------------
 
-    async def health(self, request: Request) -> Response:
+    def _unready(self) -> str:
+        """Why the router cannot serve a request now ("" when it can): /health's status."""
         if self._lifecycle.draining:
-            return JSONResponse({"status": "draining"}, 503, headers=retry_headers(503))
-        if not self._ready():
-            return JSONResponse({"status": "not ready: no healthy prefill and decode worker "
-                                 "yet"}, 503, headers=retry_headers(503))
+            return "draining"
+        if self._ready():
+            return ""
+        why = self._unready_reason() if self._unready_reason is not None else ""
+        return f"not ready: {why or 'no healthy prefill and decode worker yet'}"
+
+    async def health(self, request: Request) -> Response:
+        why = self._unready()
+        if why:
+            return JSONResponse({"status": why}, 503, headers=retry_headers(503))
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
@@ -113,15 +125,28 @@ class HttpApi:
                               headers={"WWW-Authenticate": "Bearer"})
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self._lifecycle.model_name, "object": "model", "created": self._started,
-                "owned_by": "pdserve"}
+        """OpenAI's model object, with vLLM's `max_model_len`: the context served, prompt +
+        max_tokens (longer requests are refused with a 400)."""
+        card: dict[str, Any] = {"id": self._lifecycle.model_name, "object": "model",
+                                "created": self._started, "owned_by": "pdserve"}
+        if self._lifecycle.max_model_len is not None:
+            card["max_model_len"] = self._lifecycle.max_model_len
+        return card
+
+    def _refusal_or_unready(self, request: Request) -> Response | None:
+        """A missing key's 401, else /health's 503 while the router cannot serve."""
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
+        why = self._unready()
+        return error_response(503, why, code="unavailable") if why else None
 
     async def models(self, request: Request) -> Response:
-        return self._refusal(request) or JSONResponse({"object": "list",
-                                                       "data": [self._model_card()]})
+        return self._refusal_or_unready(request) or JSONResponse(
+            {"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: Request) -> Response:
-        refused = self._refusal(request)
+        refused = self._refusal_or_unready(request)
         if refused is not None:
             return refused
         name = request.path_params["model"]

@@ -134,10 +134,12 @@ class HttpFrontDoor:
 
     @classmethod
     def start(cls, cfg: RouterConfig, lifecycle: Lifecycle, *, ready: Callable[[], bool],
-              api_keys: ApiKeys | None = None) -> HttpFrontDoor:
+              api_keys: ApiKeys | None = None,
+              unready_reason: Callable[[], str] | None = None) -> HttpFrontDoor:
         executor = ThreadPoolExecutor(max_workers=cfg.max_streams,
                                       thread_name_prefix="router-http-stream")
-        app = HttpApi(lifecycle, executor, ready=ready, api_keys=api_keys).app()
+        app = HttpApi(lifecycle, executor, ready=ready, api_keys=api_keys,
+                      unready_reason=unready_reason).app()
         try:
             server = HttpServer.start(app, cfg.host, cfg.http_port, tls=cfg, grace_s=cfg.grace_s)
         except ServerStartError:

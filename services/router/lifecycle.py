@@ -103,6 +103,7 @@ class Lifecycle:
                  weights: Weights = DEFAULT_WEIGHTS, remote_prefill_min_tokens: int = 0):
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics()
+        self._pool = pool
         self._tokenizer = tokenizer
         self._clock = clock
         self._runner = AttemptRunner(pool, max_retries=max_retries, clock=clock,
@@ -126,6 +127,13 @@ class Lifecycle:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The context served, prompt + output tokens: the least of the model's own (its
+        config) and what the workers report (a worker may serve less); None: no limit known."""
+        limits = [n for n in (self._tokenizer.max_context, self._pool.max_model_len()) if n]
+        return min(limits, default=None)
+
     def generate(self, request: GenerateInput, scope: CallScope,
                  received: float | None = None, *, api: str = "grpc"
                  ) -> Iterator[StreamEvent]:
@@ -142,7 +150,8 @@ class Lifecycle:
                     if self._draining:
                         raise Unavailable("the router is draining; send the request to another "
                                           "replica")
-                    gen = validate(request, self._tokenizer, self.model_name)
+                    gen = validate(request, self._tokenizer, self.model_name,
+                                   max_model_len=self.max_model_len)
                 record.request_id, record.prompt_tokens = gen.request_id, len(gen.prompt_ids)
                 completions: list[Completion] = []
 

@@ -2,8 +2,9 @@
 
 Makes torch unimportable here, loads the model directory's tokenizer (transformers'
 AutoTokenizer), starts checking the workers, and serves
-`pdserve.v1.Router` until SIGTERM/SIGINT. SERVING once at least one prefill and one decode
-worker are healthy.
+`pdserve.v1.Router` until SIGTERM/SIGINT. The workers are checked once before either port
+answers; SERVING (and HTTP /health and /v1/models 200) once at least one prefill and one
+decode worker are healthy.
 """
 
 from __future__ import annotations
@@ -98,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                             service=SERVICE)
     discovery.start()
     pool.start()
+    # The first check of every worker before either port answers (bounded by the check's
+    # timeout): a router started beside SERVING workers is ready from its first answer.
+    pool.wait_checked(pool.timeout_s + 1.0)
     http: HttpFrontDoor | None = None
     try:
         if cfg.http_port != DISABLED:
-            http = HttpFrontDoor.start(cfg, lifecycle, ready=pool.ready, api_keys=api_keys)
+            http = HttpFrontDoor.start(cfg, lifecycle, ready=pool.ready, api_keys=api_keys,
+                                       unready_reason=pool.unready_reason)
 
         def drain() -> None:
             lifecycle.stop_admitting()

@@ -88,6 +88,7 @@ class WorkerPool:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._checked = threading.Event()  # set once the first round has run
         self._workers: dict[tuple[str, str], Worker] = {}  # by (role, address), retired too
         self._channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
         self._joins = dict.fromkeys(ROLES, 0)
@@ -183,6 +184,11 @@ class WorkerPool:
         self._thread = threading.Thread(target=self._run, name="router-pool", daemon=True)
         self._thread.start()
 
+    def wait_checked(self, timeout_s: float | None = None) -> bool:
+        """Block until the first round has run (each call in it is bounded by `timeout_s`
+        of the pool), or `timeout_s` passes; True when it has."""
+        return self._checked.wait(timeout_s)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
@@ -190,6 +196,7 @@ class WorkerPool:
                 self.check_now()
             except Exception:  # a checker that stops would freeze membership: never
                 log.exception("worker health check round failed; checking again")
+            self._checked.set()
             with self._lock:
                 all_healthy = all(w.healthy for w in self._workers.values() if w.member)
             # A worker that is down (or still starting) is looked at again soon, so it joins
@@ -266,6 +273,34 @@ class WorkerPool:
         with self._lock:
             roles = {w.role for w in self._workers.values() if w.healthy and w.member}
         return roles >= set(ROLES)
+
+    def unready_reason(self) -> str:
+        """Why `ready()` is false ("" when it is true): the roles without a healthy worker,
+        with what their members last answered."""
+        with self._lock:
+            members = [w for w in self._workers.values() if w.member]
+        missing = []
+        for role in ROLES:
+            mine = [w for w in members if w.role == role]
+            if any(w.healthy for w in mine):
+                continue
+            if not mine:
+                missing.append(f"no {role} worker known yet")
+                continue
+            seen = "; ".join(f"{w.address}: {w.last_error or 'not checked yet'}"
+                             for w in mine[:3])
+            more = f"; {len(mine) - 3} more" if len(mine) > 3 else ""
+            missing.append(f"no healthy {role} worker yet ({seen}{more})")
+        return "; ".join(missing)
+
+    def max_model_len(self) -> int | None:
+        """The longest sequence every healthy worker serves (the least they report in Stats);
+        None before any has reported it."""
+        with self._lock:
+            reported = [w.stats.max_model_len for w in self._workers.values()
+                        if w.member and w.healthy and w.stats is not None
+                        and w.stats.max_model_len > 0]
+        return min(reported, default=None)
 
     def addresses(self, role: str) -> list[str]:
         """The members of `role` (healthy or not), in the order they joined."""

@@ -99,11 +99,33 @@ def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int
     return "prompt", ids
 
 
-def validate(req: GenerateInput, tokenizer: Tokenizer, model_name: str) -> Generation:
+def fit_context(field: str, prompt_tokens: int, max_tokens: int | None,
+                context: int | None) -> int:
+    """The request's max_tokens once checked against the context (`max_model_len`, prompt +
+    output tokens): a prompt must leave room for one token; an explicit max_tokens must fit
+    beside the prompt (else InvalidArgument naming the context); an omitted one is
+    DEFAULT_MAX_TOKENS, lowered to the room left."""
+    wanted = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if context is None:
+        return wanted
+    if prompt_tokens >= context:
+        raise _invalid(field, f"{prompt_tokens} tokens",
+                       f"the prompt must be shorter than the model's context of {context} "
+                       "tokens (max_model_len)")
+    total = prompt_tokens + wanted
+    if max_tokens is not None and total > context:
+        raise _invalid("max_tokens", max_tokens,
+                       f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                       f"exceeds the model's context of {context} tokens (max_model_len)")
+    return min(wanted, context - prompt_tokens)
+
+
+def validate(req: GenerateInput, tokenizer: Tokenizer, model_name: str, *,
+             max_model_len: int | None = None) -> Generation:
     """Check `req` against the served model and return it with defaults applied.
 
-    When prompt + max_tokens exceeds the context, max_tokens is lowered to what fits (the
-    stream then finishes with "length"); a prompt that alone fills the context is rejected.
+    The context is `max_model_len` (default: the model's, from its config): prompt +
+    max_tokens beyond it is refused (see `fit_context`), anything within it is admitted.
     """
     if req.model and req.model != model_name:
         raise _invalid("model", req.model, f"this router serves {model_name!r}")
@@ -111,14 +133,8 @@ def validate(req: GenerateInput, tokenizer: Tokenizer, model_name: str) -> Gener
     sampling = _sampling(req)
     stop = _stop(req)
     field, ids = _prompt_ids(req, tokenizer)
-    context = tokenizer.max_context
-    if context is not None:
-        if len(ids) >= context:
-            raise _invalid(
-                field,
-                f"{len(ids)} tokens",
-                f"the prompt must be shorter than the model's context of {context} tokens",
-            )
-        if len(ids) + sampling.max_tokens > context:
-            sampling = replace(sampling, max_tokens=context - len(ids))
+    context = tokenizer.max_context if max_model_len is None else max_model_len
+    max_tokens = fit_context(field, len(ids), req.max_tokens, context)
+    if max_tokens != sampling.max_tokens:
+        sampling = replace(sampling, max_tokens=max_tokens)
     return Generation(request_id=request_id, prompt_ids=tuple(ids), sampling=sampling, stop=stop)

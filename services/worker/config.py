@@ -20,8 +20,12 @@ class WorkerConfig(ServerConfig):
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     block_size: int = option(16, "tokens per KV page")
-    num_pages: int = option(0, "KV pages in the pool (0: from --kv-cache-mb)")
-    kv_cache_mb: int = option(512, "KV pool size in MiB when --num-pages is 0")
+    num_pages: int = option(0, "KV pages in the pool (0: from --kv-cache-mb); it must hold "
+                               "one full-context sequence")
+    kv_cache_mb: int = option(0, "KV pool size in MiB when --num-pages is 0; it must hold one "
+                                 "full-context sequence (0: 512 MiB, grown to hold one)")
+    max_model_len: int = option(0, "longest sequence served, prompt + output tokens (0: the "
+                                   "model's context); lower it to serve a small pool")
     chunk_size: int = option(512, "prompt tokens per sequence per prefill step")
     max_num_seqs: int = option(256, "sequences in one decode batch")
     max_prefill_tokens: int = option(2048, "prompt tokens of all sequences in one prefill step")
@@ -45,7 +49,10 @@ class WorkerConfig(ServerConfig):
         super().__post_init__()
         require(self.block_size > 0, "block_size", self.block_size, "> 0")
         require(self.num_pages >= 0, "num_pages", self.num_pages, ">= 0")
-        require(self.kv_cache_mb > 0, "kv_cache_mb", self.kv_cache_mb, "> 0")
+        require(self.kv_cache_mb >= 0, "kv_cache_mb", self.kv_cache_mb,
+                ">= 0 (0 = sized for the context)")
+        require(self.max_model_len >= 0, "max_model_len", self.max_model_len,
+                ">= 0 (0 = the model's context)")
         require(self.chunk_size > 0, "chunk_size", self.chunk_size, "> 0")
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", self.max_prefill_tokens, "> 0")

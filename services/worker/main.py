@@ -76,20 +76,25 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
          servicers: Callable[[W], Callable[[grpc.Server], None]]) -> int:
     import torch
     from pdserve.engine.setup import build_engine
+    from pdserve.engine.sizing import SizingError
     from pdserve.worker.warmup import warm_up
 
     threads = cfg.threads or cpu_allowance()
     torch.set_num_threads(threads)
     worker_id = worker_name(role, cfg)
-    engine, model_dir = build_engine(cfg.model, role=role, dtype=cfg.dtype, device=cfg.device,
-                                     block_size=cfg.block_size, num_pages=cfg.num_pages,
-                                     kv_cache_mb=cfg.kv_cache_mb, chunk_size=cfg.chunk_size,
-                                     max_num_seqs=cfg.max_num_seqs,
-                                     max_prefill_tokens=cfg.max_prefill_tokens,
-                                     prefix_caching=cfg.prefix_cache)
-    log.info("%s: model %s from %s, %d pages of %d bytes, prefix cache %s, %d torch threads "
-             "on cores %s", worker_id, engine.model.model_id, model_dir,
-             engine.config.num_pages, engine.pool.page_bytes,
+    try:
+        engine, model_dir = build_engine(
+            cfg.model, role=role, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+            num_pages=cfg.num_pages, kv_cache_mb=cfg.kv_cache_mb,
+            max_model_len=cfg.max_model_len, chunk_size=cfg.chunk_size,
+            max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
+            prefix_caching=cfg.prefix_cache)
+    except SizingError as exc:  # before any pool exists: nothing to clean up
+        log.error("%s cannot start: %s", worker_id, exc)
+        return 1
+    log.info("%s: model %s from %s, %d pages of %d bytes, max_model_len %d, prefix cache %s, "
+             "%d torch threads on cores %s", worker_id, engine.model.model_id, model_dir,
+             engine.config.num_pages, engine.pool.page_bytes, engine.max_model_len,
              "on" if engine.config.prefix_caching else "off", threads,
              format_cpu_list(sorted(os.sched_getaffinity(0))))
     loop = EngineLoop(engine).start()

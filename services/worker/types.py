@@ -73,3 +73,4 @@ class WorkerStats:
     fingerprint: LayoutFingerprint
     reserved_tickets: int = 0
     cached_pages: int = 0
+    max_model_len: int = 0  # prompt + output tokens of the longest sequence served

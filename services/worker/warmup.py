@@ -20,7 +20,7 @@ def warm_up(loop: EngineLoop, role: str, prompt_tokens: int = 32, decode_steps: 
     started = time.perf_counter()
     engine = loop.engine
     vocab = engine.model.vocab_size
-    length = min(prompt_tokens, engine.model.max_context // 2)
+    length = min(prompt_tokens, engine.max_model_len // 2)
     prompt = [(7 + 31 * i) % vocab for i in range(length)]
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
     if role == "decode":  # a "handed-off" prompt: whatever the reserved pages hold is fine

@@ -57,7 +57,9 @@ class FaultStack:
                  agent_args: tuple[str, ...] = ()):
         py = [sys.executable, "-m"]
         common = ["--metrics-port", "-1", "--grace-s", "2", "--log-level", "INFO"]
-        worker = ["--model", "tiny", "--num-pages", str(num_pages), "--threads", "1",
+        # A small pool serves a context it holds (--max-model-len): checked at start.
+        worker = ["--model", "tiny", "--num-pages", str(num_pages),
+                  "--max-model-len", str(num_pages * 16), "--threads", "1",
                   "--max-num-seqs", "64", *common]
         self.nodes: dict[str, Node] = {}
         agents = {}

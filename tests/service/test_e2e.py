@@ -22,9 +22,11 @@ from tests.support import wait_for
 pytestmark = pytest.mark.service
 
 DECODE_PAGES = 200
+DECODE_CONTEXT = DECODE_PAGES * 16  # what the decode pool holds: its max_model_len
 WORKER_ENV = {
     "PDSERVE_PREFILL_CHUNK_SIZE": "32",  # long prompts are prefilled in chunks
     "PDSERVE_DECODE_NUM_PAGES": str(DECODE_PAGES),
+    "PDSERVE_DECODE_MAX_MODEL_LEN": str(DECODE_CONTEXT),  # a small pool serves less context
     # Every prompt here runs once per test: whole prompts cross each data path. Partial
     # handoffs (the prefix cache on, its default) are tests/service/test_prefix_reuse.py's.
     "PDSERVE_PREFILL_PREFIX_CACHE": "0",
@@ -149,13 +151,15 @@ def test_invalid_input_is_invalid_argument_naming_the_field(stack, fields, field
     _greedy(stack, "still serving")  # the service stays up
 
 
-def test_overfull_decode_pool_is_resource_exhausted(stack):
+def test_past_the_decode_workers_context_is_refused_naming_it(stack):
     stats = stack.decode_stats()
-    assert stats.num_pages == DECODE_PAGES
-    # Within the model's context (4096) but more than the decode pool holds (200 × 16 tokens).
+    assert (stats.num_pages, stats.max_model_len) == (DECODE_PAGES, DECODE_CONTEXT)
+    # Within the model's context (4096) but past what the decode worker serves (200 × 16
+    # tokens): the router refuses it before any worker is asked.
     with pytest.raises(grpc.RpcError) as err:
         stack.generate(token_ids=[5] * 3500, max_tokens=4, temperature=0.0)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"context of {DECODE_CONTEXT} tokens (max_model_len)" in err.value.details()
     assert stack.decode_stats().free_pages == stats.num_pages
     _greedy(stack, "still serving")
 

@@ -63,7 +63,8 @@ def references(smollm2_dir, figures):
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir):
-    with pdserve_stack("--model", "smollm2") as s:
+    # The default pool (--kv-cache-mb 0): sized to hold one whole 8,192-token context.
+    with pdserve_stack("--model", "smollm2", "--kv-cache-mb", "0") as s:
         yield s
 
 
@@ -103,3 +104,27 @@ def test_it_answers_the_question(stack):
     _, text, _, finish = collect(stack.generate(messages=messages, max_tokens=64,
                                                 temperature=0.0))
     assert text == "The capital of France is Paris." and finish.finish_reason == "stop"
+
+
+
+def test_its_whole_context_is_admitted_and_one_token_more_is_refused(stack):
+    """8,192 tokens of context, served by the default pool: a request that may use all of it
+    starts (cancelled after its first token: decoding 8,000 tokens is not the point), one
+    token more is refused naming the context."""
+    import grpc
+    from pdserve.v1 import router_pb2_grpc
+
+    assert stack.decode_stats().max_model_len == stack.prefill_stats().max_model_len == 8192
+    prompt = [1000 + i for i in range(10)]
+    with grpc.insecure_channel(stack.router) as ch:
+        call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
+            token_ids=prompt, max_tokens=8192 - 10, temperature=0.0, ignore_eos=True),
+            timeout=120)
+        first = next(call)
+        call.cancel()
+    assert first.WhichOneof("kind") == "delta"
+    with pytest.raises(grpc.RpcError) as err:
+        stack.generate(token_ids=prompt, max_tokens=8192 - 9)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("prompt (10 tokens) + max_tokens (8183) = 8193 exceeds the model's context of 8192 "
+            "tokens (max_model_len)") in err.value.details()

@@ -63,7 +63,7 @@ def test_up_partitions_only_in_disaggregated_mode():
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
 def test_warm_up_runs_and_frees_everything(cache_dir, role):
-    engine, _ = build_engine("tiny", role=role, num_pages=32)
+    engine, _ = build_engine("tiny", role=role, num_pages=32, max_model_len=512)
     loop = EngineLoop(engine).start()
     try:
         assert warm_up(loop, role) > 0

@@ -14,7 +14,7 @@ from pdserve.router.placement import (
     rank_prefill,
 )
 from pdserve.router.tokenizer import Tokenizer
-from pdserve.router.validation import DEFAULT_MAX_TOKENS, validate
+from pdserve.router.validation import DEFAULT_MAX_TOKENS, fit_context, validate
 
 from tests.fakes import make_model_dir
 
@@ -81,6 +81,32 @@ def test_invalid_requests_name_the_field(tok, kwargs, needle):
     assert err.value.message.startswith(needle.split("=")[0] + "=")
     assert needle in err.value.message
 
+
+def test_the_context_is_kept_not_clamped():
+    """prompt + max_tokens up to max_model_len is admitted; one token more is refused naming
+    the context; an omitted max_tokens is the default, lowered to the room left."""
+    assert fit_context("prompt", 10, 22, 32) == 22  # exactly the whole context
+    with pytest.raises(InvalidArgument) as err:
+        fit_context("prompt", 10, 23, 32)
+    assert err.value.message == ("max_tokens=23: prompt (10 tokens) + max_tokens (23) = 33 "
+                                 "exceeds the model's context of 32 tokens (max_model_len)")
+    assert fit_context("prompt", 10, None, 32) == 22
+    assert fit_context("prompt", 10, None, 8192) == DEFAULT_MAX_TOKENS
+    assert fit_context("prompt", 10, 10**6, None) == 10**6  # no limit known
+    assert fit_context("token_ids", 31, 1, 32) == 1
+    with pytest.raises(InvalidArgument, match="token_ids='32 tokens': the prompt must be "
+                                              "shorter than the model's context of 32"):
+        fit_context("token_ids", 32, 1, 32)
+
+
+def test_validate_takes_the_context_the_workers_serve(tok):
+    ids = [5] * 10
+    gen = validate(request(token_ids=ids, max_tokens=22), tok, MODEL)  # the config's 32
+    assert gen.sampling.max_tokens == 22
+    with pytest.raises(InvalidArgument, match="context of 20 tokens"):
+        validate(request(token_ids=ids, max_tokens=11), tok, MODEL, max_model_len=20)
+    gen = validate(request(token_ids=ids), tok, MODEL, max_model_len=20)
+    assert gen.sampling.max_tokens == 10
 
 
 def test_pages_for_tokens():

@@ -117,7 +117,8 @@ def pair(tiny_model_dir):
     loops = []
     workers = []
     for role, make in (("prefill", PrefillWorker), ("decode", DecodeWorker)):
-        engine, _ = build_engine("tiny", role=role, num_pages=64, chunk_size=32)
+        engine, _ = build_engine("tiny", role=role, num_pages=64, max_model_len=1024,
+                                 chunk_size=32)
         loop = EngineLoop(engine).start()
         loops.append(loop)
         # (the prefill worker's same-host lane speaks to real agents: off with the fakes)
@@ -232,7 +233,8 @@ def test_cancel_during_the_send_frees_the_prefill_pages(pair, reference, prompt)
 
 
 def test_colocated_worker_composes_both_roles(tiny_model_dir, reference):
-    engine, _ = build_engine("tiny", role="colocated", num_pages=64, chunk_size=32)
+    engine, _ = build_engine("tiny", role="colocated", num_pages=64, max_model_len=1024,
+                             chunk_size=32)
     loop = EngineLoop(engine).start()
     worker = ColocatedWorker(loop, worker_id="both")
     worker.register()
