@@ -135,6 +135,17 @@ class RouterMetrics:
         """Export the pool's `counts()` per role, and failed DNS lookups, at scrape time."""
         self.registry.register(_WorkersCollector(counts, discovery_failures))
 
+    def watch_cache_index(self, keys_per_worker: Callable[[], Mapping[str, int]]) -> None:
+        """Export how many prefix-cache pages the router's index holds per worker."""
+        def collect() -> Iterator[Metric]:
+            family = GaugeMetricFamily("pdserve_router_cache_index_pages", "prefix-cache pages "
+                                       "the router's index says each worker holds (from its "
+                                       "cache events)", labels=("worker",))
+            for worker, n in sorted(keys_per_worker().items()):
+                family.add_metric((worker,), n)
+            yield family
+        self.registry.register(_CallbackCollector(collect))
+
 
 class WorkerMetrics:
     """A prefill, decode or co-located worker: engine gauges read from `stats()` at scrape
@@ -257,6 +268,14 @@ class WorkerCounts:
     leaving: int = 0  # gone from discovery, their in-flight calls not yet ended
     joins: int = 0  # since start (the first members included)
     leaves: int = 0
+
+
+class _CallbackCollector(Collector):
+    def __init__(self, collect: Callable[[], Iterator[Metric]]):
+        self._collect = collect
+
+    def collect(self) -> Iterator[Metric]:
+        return self._collect()
 
 
 class _WorkersCollector(Collector):

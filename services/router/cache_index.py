@@ -116,3 +116,8 @@ class CacheIndex:
     def workers(self) -> list[str]:
         with self._lock:
             return list(self._keys)
+
+    def sizes(self) -> dict[str, int]:
+        """Keys held per worker (what its last events said)."""
+        with self._lock:
+            return {w: len(keys) for w, keys in self._keys.items()}

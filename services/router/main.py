@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
     servicer = RouterServicer(lifecycle)
     lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
+    if feeds is not None:
+        lifecycle.metrics.watch_cache_index(feeds.index.sizes)
     metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
                             service=SERVICE)
     discovery.start()

@@ -59,6 +59,7 @@ class DecodeLoad:
     waiting_sequences: int = 0
     reserved_tickets: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
+    placed: int = 0  # requests this router has placed on it (spreads ties)
 
     @property
     def sequences(self) -> int:
@@ -148,9 +149,9 @@ def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
         note = "retry" if w.address in avoid else "no room" if not fits[w.address] else \
             "busy" if busy else ""
         free = w.free_pages if w.free_pages is not None else 0
-        rows.append((w.address in avoid, not fits[w.address], busy, cost, -free, w.address,
-                     Candidate(w.address, cached, w.sequences, cost, note)))
-    rows.sort(key=lambda r: r[:6])
+        rows.append((w.address in avoid, not fits[w.address], busy, cost, w.placed, -free,
+                     w.address, Candidate(w.address, cached, w.sequences, cost, note)))
+    rows.sort(key=lambda r: r[:7])
     return _placement(rows)
 
 

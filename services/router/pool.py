@@ -58,6 +58,7 @@ class Worker:
     healthy: bool = False
     stats: common_pb2.WorkerStats | None = None
     inflight_prompt_tokens: int = 0
+    placed: int = 0  # reservations this router made on it (decode), to spread ties
     calls: int = 0  # this router's calls on it now (acquire .. release)
     member: bool = True  # False once retired: no new calls; dropped after its last one
     last_error: str = field(default="", repr=False)
@@ -336,7 +337,7 @@ class WorkerPool:
 
     @staticmethod
     def _decode_load(w: Worker) -> DecodeLoad:
-        load = DecodeLoad(w.address, w.healthy)
+        load = DecodeLoad(w.address, w.healthy, placed=w.placed)
         if w.stats is None:
             return load
         s = w.stats
@@ -354,6 +355,7 @@ class WorkerPool:
     def note_reserved(self, worker: Worker, num_pages: int) -> None:
         """A decode worker granted a reservation: adjust its cached Stats until the next check."""
         with self._lock:
+            worker.placed += 1
             if worker.stats is not None:
                 stats = common_pb2.WorkerStats()
                 stats.CopyFrom(worker.stats)

@@ -1,6 +1,7 @@
 """One throwaway request through a worker's engine before it reports SERVING, so the first
 real request does not pay for first-call costs (allocator growth, kernel selection, lazy
-imports): a short prefill, and for roles that decode, a few decode steps."""
+imports): a short prefill, and for roles that decode, a few decode steps. The prefix cache
+is emptied after it."""
 
 from __future__ import annotations
 
@@ -44,4 +45,7 @@ def warm_up(loop: EngineLoop, role: str, prompt_tokens: int = 32, decode_steps: 
         loop.submit(lambda e: e.release_prefilled(WARMUP_ID))
         if role == "decode":  # pages a failed adoption left with the reservation
             loop.submit(lambda e: e.free_reservation(key))
+        # The throwaway pages must not be reused: a decode warm-up's KV is garbage, and no
+        # worker should start with (or announce) a cache of made-up tokens.
+        loop.submit(lambda e: e.allocator.clear())
     return (time.perf_counter() - started) * 1e3

@@ -68,6 +68,7 @@ def test_warm_up_runs_and_frees_everything(cache_dir, role):
     try:
         assert warm_up(loop, role) > 0
         assert engine.allocator.num_free == 32 and not engine.seqs and not engine.has_work()
+        assert engine.allocator.num_cached == 0  # no made-up (decode: garbage) KV is reused
     finally:
         loop.stop()
         engine.close()

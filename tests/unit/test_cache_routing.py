@@ -1,0 +1,158 @@
+"""Cache-aware routing, its parts alone: the router's cache index (snapshots, changes, gaps,
+epochs, speculative entries), the placement cost and its explanation, and a worker's cache
+feed over a real engine loop."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.model import load_model
+from pdserve.engine.sampling import SamplingParams
+from pdserve.router.cache_index import CacheIndex
+from pdserve.router.placement import DecodeLoad, PrefillLoad, Weights, place_decode, place_prefill
+from pdserve.worker.cache_feed import CacheFeed
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- the index ----------------------------------------------------------------------------
+def test_snapshot_then_changes_then_a_gap_drops_the_worker():
+    index = CacheIndex()
+    assert index.apply("d0", epoch=1, sequence=0, snapshot=True, stored=[1, 2, 3], removed=[])
+    assert index.cached_pages("d0", [1, 2, 3, 4]) == 3
+    assert index.apply("d0", 1, 1, False, stored=[4], removed=[2])
+    assert index.cached_pages("d0", [1, 2, 3, 4]) == 1  # the chain breaks at the lost page
+    assert index.cached_pages("d0", [1, 3, 4]) == 3
+    assert not index.apply("d0", 1, 3, False, stored=[5], removed=[])  # 2 was missed
+    assert index.cached_pages("d0", [1]) == 0 and index.known("d0") is None
+
+
+def test_a_new_epoch_needs_its_snapshot_and_replaces_everything():
+    index = CacheIndex()
+    index.apply("d0", 1, 0, True, [1, 2], [])
+    assert not index.apply("d0", 2, 1, False, [3], [])  # restarted: changes without snapshot
+    assert index.cached_pages("d0", [1, 2]) == 0
+    index.apply("d0", 2, 0, True, [7], [])
+    assert index.cached_pages("d0", [1]) == 0 and index.cached_pages("d0", [7]) == 1
+    assert index.known("d0").epoch == 2
+
+
+def test_speculative_entries_last_a_short_while():
+    clock = Clock()
+    index = CacheIndex(speculative_s=2.0, clock=clock)
+    index.speculate("d1", [5, 6])
+    assert index.match(["d0", "d1"], [5, 6, 7]) == {"d0": 0, "d1": 2}
+    clock.now = 2.5
+    assert index.cached_pages("d1", [5, 6]) == 0
+
+
+def test_dropping_a_worker_forgets_it():
+    index = CacheIndex()
+    index.apply("d0", 1, 0, True, [1], [])
+    index.drop("d0")
+    assert index.cached_pages("d0", [1]) == 0 and index.workers() == []
+
+
+# ---- placement ----------------------------------------------------------------------------
+def _decode(address: str, sequences: int = 0, free: int | None = 1000) -> DecodeLoad:
+    return DecodeLoad(address, True, free_pages=free, running_sequences=sequences)
+
+
+def test_a_busy_worker_holding_a_long_prefix_wins_over_an_idle_one():
+    workers = [_decode("idle"), _decode("holder", sequences=3)]
+    placed = place_decode(workers, 640, {"holder": 36})  # 576 of 640 tokens held
+    assert placed.ranked == ["holder", "idle"] and placed.decided_by == "locality"
+    assert "holder cached=576 load=3" in placed.explain()
+
+
+def test_load_decides_when_the_prefix_is_short():
+    workers = [_decode("idle"), _decode("holder", sequences=3)]
+    placed = place_decode(workers, 100, {"holder": 2})
+    assert placed.ranked == ["idle", "holder"] and placed.decided_by == "load"
+
+
+def test_a_hot_prefix_cannot_pile_everything_onto_one_worker():
+    """Over the busy line (1.5 x the least loaded + 4) the holder is passed over."""
+    workers = [_decode("a", sequences=2), _decode("holder", sequences=8)]
+    placed = place_decode(workers, 2000, {"holder": 120}, Weights())
+    assert placed.ranked == ["a", "holder"] and placed.decided_by == "room"
+    assert placed.candidates[1].note == "busy"
+    loose = Weights(max_imbalance=10.0)
+    assert place_decode(workers, 2000, {"holder": 120}, loose).ranked[0] == "holder"
+
+
+def test_room_is_counted_for_the_pages_a_worker_lacks():
+    workers = [_decode("holder", free=3), _decode("empty", free=1000)]
+    # 20 pages of prompt, 18 held: the holder needs 2 free pages, and has 3.
+    assert place_decode(workers, 320, {"holder": 18}).ranked[0] == "holder"
+    assert place_decode(workers, 320, {"holder": 10}).candidates[0].address == "empty"
+
+
+def test_a_retry_goes_elsewhere_and_prefill_weighs_its_queue():
+    workers = [_decode("a"), _decode("b")]
+    assert place_decode(workers, 100, {"a": 6}, avoid={"a"}).ranked == ["b", "a"]
+    prefills = [PrefillLoad("p0", True, queued_prompt_tokens=900), PrefillLoad("p1", True)]
+    # p0 holds 800 of 1000 tokens but has 900 queued: 200 + 900 > 1000 on the idle p1.
+    assert place_prefill(prefills, 1000, {"p0": 50}).ranked == ["p1", "p0"]
+    assert place_prefill(prefills, 1000, {"p0": 62}).ranked == ["p0", "p1"]  # 8 + 900
+    busy_free = [PrefillLoad("p0", True, queued_prompt_tokens=10), PrefillLoad("p1", True)]
+    assert place_prefill(busy_free, 1000, {"p0": 60}).ranked[0] == "p0"
+
+
+# ---- a worker's feed --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype="float32")
+
+
+def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
+    engine = Engine(tiny, EngineConfig(num_pages=8, chunk_size=64))
+    loop = EngineLoop(engine).start()
+    feed = CacheFeed(loop, period_s=0.005)
+    ids = itertools.count()
+
+    def run(prompt: list[int]) -> None:
+        rid = f"r{next(ids)}"
+        _, outputs = loop.start_sequence(rid, lambda e: e.add_request(
+            rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+        for _ in range(100):
+            if outputs.get(timeout=10).finish_reason:
+                break
+        loop.unsubscribe(rid)
+
+    try:
+        run(list(range(10, 43)))  # 33 tokens: 2 full pages cached before anyone subscribes
+        stream = feed.stream(heartbeat_s=5.0)
+        first = next(stream)
+        assert first.snapshot and first.sequence == 0 and len(first.stored) == 2
+        run(list(range(100, 133)))  # 2 new pages stored
+        change = next(stream)
+        assert change.sequence == 1 and len(change.stored) == 2 and not change.removed
+        run(list(range(200, 290)))  # 90 tokens need 6 pages: evicts cached ones
+        seen, removed = 2, []
+        while seen < 5:
+            batch = next(stream)
+            assert batch.sequence == seen
+            removed += batch.removed
+            seen += 1 if batch.stored or batch.removed else 0
+            if removed:
+                break
+        assert set(removed) <= set(first.stored) | set(change.stored) and removed
+        assert feed.num_subscribers == 1
+        stream.close()
+        assert feed.num_subscribers == 0
+    finally:
+        feed.close()
+        loop.stop()
+        engine.close()
