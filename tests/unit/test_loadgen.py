@@ -8,6 +8,7 @@ import random
 import statistics
 
 import pytest
+from pdserve.bench.loadgen import sessions
 from pdserve.bench.loadgen.arrivals import Arrivals
 from pdserve.bench.loadgen.runner import Plan, run
 from pdserve.bench.loadgen.stats import RequestRecord, Slo, max_rate_at, percentile, summarize
@@ -127,3 +128,57 @@ def test_open_loop_arrivals_left_when_the_time_runs_out_are_not_sent_in_a_burst(
     assert len(sent) + len(skipped) == 200
     assert 5 <= len(sent) <= 60, f"{len(sent)} of 200 sent in 0.6 s at 40 req/s"
     assert all(r.sent_at_s < 0.6 for r in sent)
+
+
+# ---- workloads that repeat themselves (prefix reuse) ------------------------------------
+class _Echo(Target):
+    """Answers with `max_tokens` ids, says it had everything but the new tokens cached, and
+    keeps each prompt it got."""
+
+    name = "echo"
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    def send(self, record: RequestRecord, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> None:
+        self.prompts.append(list(prompt_ids))
+        record.ok, record.ttft_ms, record.e2e_ms = True, 1.0 + record.turn, 2.0 + record.turn
+        record.output_ids = [900 + len(self.prompts)] * max_tokens
+        record.output_tokens = max_tokens
+        record.cached_tokens = record.reusable_tokens
+
+
+@pytest.mark.parametrize("text, message", [("prefix:1,2", "3 or 4 numbers"),
+                                           ("multiturn:2,x,3,4", "integers"),
+                                           ("multiturn:0,1,2,3", "> 0")])
+def test_reuse_workloads_name_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        sessions.parse(text)
+
+
+def test_shared_prefix_requests_share_their_prefix_only():
+    vocab = Vocabulary(500, frozenset())
+    plan = sessions.sessions("prefix:64,8,4,2", 6, 0, vocab)
+    prompts = [s.turns[0].new_ids for s in plan]
+    assert len(plan) == 6 and all(len(p) == 72 for p in prompts)
+    assert prompts[0][:64] == prompts[2][:64] != prompts[1][:64]
+    assert len({tuple(p[64:]) for p in prompts}) == 6
+
+
+def test_multi_turn_resends_the_history_with_the_answers_in_order():
+    vocab = Vocabulary(500, frozenset())
+    plan = sessions.sessions("multiturn:3,40,20,5", 6, 1, vocab)
+    assert len(plan) == 2 and [len(t.new_ids) for t in plan[0].turns] == [40, 20, 20]
+    target = _Echo()
+    records, _ = sessions.run_sessions(target, plan, 1, 10.0, 60.0)
+    assert [r.turn for r in records] == [0, 1, 2, 0, 1, 2]
+    first, second, third = target.prompts[:3]
+    assert second[:40] == first and second[40:45] == [901] * 5 and len(second) == 65
+    assert third[:65] == second and len(third) == 90
+    # A perfect cache: turn 2 shares 44 computed tokens (2 pages), turn 3 69 (4 pages).
+    assert [r.reusable_tokens for r in records[:3]] == [0, 32, 64]
+    summary = summarize(records, 1.0)
+    assert summary["cache_vs_perfect"] == 1.0
+    assert summary["ttft_by_turn_ms"][2]["p50"] == 3.0
+    assert summary["cache_hit_rate"] == pytest.approx(192 / (2 * (40 + 65 + 90)))

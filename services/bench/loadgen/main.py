@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.loadgen import report
+from pdserve.bench.loadgen import report, sessions
 from pdserve.bench.loadgen.arrivals import Arrivals
 from pdserve.bench.loadgen.cpu import pid_listening_on
 from pdserve.bench.loadgen.interleave import measure
@@ -32,7 +32,11 @@ from pdserve.bench.loadgen.workload import Vocabulary, parse_workload, shapes
 from pdserve.client import add_security_flags, security_from_args
 
 WORKLOAD_HELP = ("fixed:IN,OUT | uniform:IN_LO-IN_HI,OUT_LO-OUT_HI | chat[:IN_MEDIAN,OUT_MEDIAN] "
-                 "(long-tailed) | mixed:SHORT,LONG,SHARE,OUT (SHARE of prompts are LONG)")
+                 "(long-tailed) | mixed:SHORT,LONG,SHARE,OUT (SHARE of prompts are LONG) | "
+                 "prefix:PREFIX,SUFFIX,OUT[,GROUPS] (a shared PREFIX, unique SUFFIXes) | "
+                 "multiturn:TURNS,FIRST,ADD,OUT (conversations re-sending their history plus "
+                 "ADD tokens each turn, turns in order; TTFT per turn and the server's cache "
+                 "hit rate are reported)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,6 +81,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _main_sessions(args: argparse.Namespace) -> int:
+    """prefix and multiturn workloads: closed loop over sessions, each target in turn."""
+    try:
+        sessions.parse(args.workload)
+        if args.rate or args.sweep or args.interleave != 1:
+            raise ValueError(f"{args.workload.partition(':')[0]} workloads run closed loop: "
+                             "--concurrency only (no --rate, --sweep or --interleave)")
+        vocab = vocabulary(args.model)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"pdserve bench serve: {exc}", file=sys.stderr)
+        return 2
+    plan = sessions.sessions(args.workload, args.num_requests, args.seed, vocab)
+    concurrency = args.concurrency or 4
+    warm = Plan(shapes("fixed:16,4", args.warmup, args.seed + 99), vocab,
+                Arrivals.parse(1, None, 1.0), seed=args.seed + 99, warmup=0)
+    runs: list[tuple[str, dict[str, Any], list[RequestRecord]]] = []
+    for spec in args.target:
+        try:
+            target = make_target(spec, args.served_model, security_from_args(args), args.api_key)
+        except (ValueError, ConnectionError, OSError) as exc:
+            print(f"pdserve bench serve: target {spec}: {exc}", file=sys.stderr)
+            return 2
+        try:
+            if args.warmup:
+                run(target, warm, "warm-up", progress=False)
+            records, took = sessions.run_sessions(target, plan, concurrency, args.timeout,
+                                                  args.max_duration)
+        finally:
+            target.close()
+        runs.append((target.name, summarize(records, took), records))
+    print()
+    print(f"workload {args.workload}, {sum(len(s.turns) for s in plan)} requests in "
+          f"{len(plan)} sessions, {concurrency} at once, seed {args.seed}")
+    print(report.table([(name, summary) for name, summary, _ in runs]))
+    if args.json:
+        meta = {"workload": args.workload, "num_requests": args.num_requests, "seed": args.seed,
+                "concurrency": concurrency, "machine": platform.machine(),
+                "processor": _cpu_flags(), "time": time.time()}
+        report.write_json(args.json, meta, runs)
+        print(f"records and summaries: {args.json}")
+    return 0 if all(s["completed"] == s["requests"] for _, s, _ in runs) else 1
+
+
 def vocabulary(model: str) -> Vocabulary:
     from pdserve.common.models import resolve_model_name
     from pdserve.router.main import model_dir
@@ -86,6 +133,8 @@ def vocabulary(model: str) -> Vocabulary:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if sessions.is_session_workload(args.workload):
+        return _main_sessions(args)
     try:
         parse_workload(args.workload)
         slo = Slo.parse(args.slo) if args.slo else None

@@ -18,6 +18,18 @@ def _ms(value: object) -> str:
     return "-" if value is None else f"{float(value):,.1f}"  # type: ignore[arg-type]
 
 
+def _spread(per_worker: dict[str, int] | None) -> str:
+    """The busiest worker's requests over the mean, per role (prefill, decode)."""
+    if not per_worker:
+        return "-"
+    out = []
+    for role in ("prefill", "decode", "colocated"):
+        counts = [n for w, n in per_worker.items() if w.startswith(role)]
+        if len(counts) > 1:
+            out.append(f"{role[0]} {max(counts) / (sum(counts) / len(counts)):.2f}x")
+    return ", ".join(out) or "one worker"
+
+
 def table(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """One column per target: throughput, latency p50/p90/p99, goodput; ratios to the first."""
     names = [name for name, _ in results]
@@ -44,6 +56,18 @@ def table(results: Sequence[tuple[str, dict[str, Any]]]) -> str:
                        ("client_cpu_ms_per_token", "client CPU ms/token")):
         if any(s.get(key) is not None for _, s in results):
             row(label, ["-" if s.get(key) is None else f"{s[key]:,.3f}" for _, s in results])
+    if any("cache_hit_rate" in s for _, s in results):
+        row("server cache hit", ["-" if "cache_hit_rate" not in s else
+                                 f"{s['cache_hit_rate']:.1%}" for _, s in results])
+    if any("cache_vs_perfect" in s for _, s in results):
+        row("cached / perfect cache", ["-" if "cache_vs_perfect" not in s else
+                                       f"{s['cache_vs_perfect']:.1%}" for _, s in results])
+    if any("requests_per_worker" in s for _, s in results):
+        row("max worker / mean", [_spread(s.get("requests_per_worker")) for _, s in results])
+    turns = sorted({int(t) for _, s in results for t in s.get("ttft_by_turn_ms", {})})
+    for t in turns:
+        row(f"TTFT p50 turn {t + 1} ms", [_ms(s.get("ttft_by_turn_ms", {}).get(t, {}).get("p50"))
+                                          for _, s in results])
     if any("goodput" in s for _, s in results):
         row("SLO attainment", [f"{s.get('attainment', 0):.1%}" for _, s in results])
         row("goodput req/s", [f"{s.get('goodput', 0):,.2f}" for _, s in results])

@@ -24,6 +24,11 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)  # gaps between chunks that carried tokens
     components: dict[str, float] = field(default_factory=dict)  # server-reported TTFT parts
     sent_at_s: float = 0.0  # since the run started
+    turn: int = 0  # multi-turn workloads: the turn's index in its conversation
+    cached_tokens: int | None = None  # prompt tokens the server said its cache held
+    output_ids: list[int] = field(default_factory=list, repr=False)  # when the server says
+    reusable_tokens: int = 0  # multi-turn: what a perfect cache could skip (full pages shared)
+    workers: str = ""  # pdserve: "prefill worker -> decode worker" that served it
 
     @property
     def tpot_ms(self) -> float | None:
@@ -110,6 +115,25 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "itl_ms": distribution([g for r in ok for g in r.itl_ms]),
         "e2e_ms": distribution([r.e2e_ms for r in ok if r.e2e_ms is not None]),
     }
+    reported = [r for r in ok if r.cached_tokens is not None]
+    if reported:
+        prompt_tokens = sum(r.prompt_tokens for r in reported)
+        summary["cached_tokens"] = sum(r.cached_tokens or 0 for r in reported)
+        summary["cache_hit_rate"] = summary["cached_tokens"] / prompt_tokens  # type: ignore[operator]
+        reusable = sum(r.reusable_tokens for r in reported)
+        if reusable:
+            summary["cache_vs_perfect"] = summary["cached_tokens"] / reusable  # type: ignore[operator]
+    served: dict[str, int] = {}
+    for r in ok:
+        for worker in set(filter(None, r.workers.split(" -> "))):
+            served[worker] = served.get(worker, 0) + 1
+    if served:
+        summary["requests_per_worker"] = served
+    turns = sorted({r.turn for r in ok})
+    if len(turns) > 1:
+        summary["ttft_by_turn_ms"] = {t: distribution([r.ttft_ms for r in ok if r.turn == t
+                                                       and r.ttft_ms is not None])
+                                      for t in turns}
     names = sorted({k for r in ok for k in r.components})
     if names:
         summary["components_ms"] = {k: distribution([r.components[k] for r in ok

@@ -79,8 +79,11 @@ class GrpcTarget(Target):
                 kind = msg.WhichOneof("kind")
                 if kind == "delta":
                     clock.tokens(len(msg.delta.token_ids))
+                    record.output_ids += msg.delta.token_ids
                 elif kind == "timing":
                     record.components = {k: getattr(msg.timing, k) for k in COMPONENTS}
+                    record.cached_tokens = msg.timing.cached_tokens
+                    record.workers = f"{msg.timing.prefill_worker} -> {msg.timing.decode_worker}"
                 elif kind == "finish":
                     record.ok = True
         except grpc.RpcError as exc:
@@ -167,17 +170,23 @@ class OpenAITarget(Target):
                 record.error = f"stream error: {chunk['error']}"
                 return
             choices = chunk.get("choices") or []
-            ids = [len(c["token_ids"]) for c in choices if isinstance(c.get("token_ids"), list)]
+            ids = [c["token_ids"] for c in choices if isinstance(c.get("token_ids"), list)]
             if ids:  # the server says which tokens a chunk carries (even with no text yet)
-                clock.tokens(sum(ids))
+                clock.tokens(sum(map(len, ids)))
+                record.output_ids += [t for chunk_ids in ids for t in chunk_ids]
             elif "".join(c.get("text") or "" for c in choices):
                 clock.tokens(1)  # a chunk with text: one arrival (counted again from usage)
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    record.cached_tokens = int(details["cached_tokens"])
             extra = chunk.get("pdserve") or {}
             timing = extra.get("timing") if isinstance(extra, dict) else None
             if isinstance(timing, dict):
                 record.components = {k: float(timing[k]) for k in COMPONENTS if k in timing}
+                record.workers = f"{timing.get('prefill_worker', '')} -> " \
+                                 f"{timing.get('decode_worker', '')}"
         if usage_tokens is not None:
             record.output_tokens = int(usage_tokens)
 
