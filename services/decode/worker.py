@@ -132,6 +132,7 @@ class DecodeWorker:
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
 
+        assert self.leases is not None  # decode() checked it
         outputs = self.leases.adopt(request.ticket, into_queue, handoff=False)
         try:
             out = first_output(outputs, rid, self.token_wait_s,

@@ -114,7 +114,7 @@ class CacheFeeds:
                     heartbeat_ms=self._heartbeat_ms))
                 self._streams[address] = call
             try:
-                for batch in call:  # type: ignore[attr-defined]
+                for batch in call:
                     if batch.snapshot:
                         fp = wire.fingerprint_from_pb(batch.fingerprint)
                         if fp is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from pdserve.engine.allocator import CacheEvents
@@ -48,8 +48,7 @@ class CacheFeed:
         with self._lock:
             return len(self._subs)
 
-    def stream(self, heartbeat_s: float, active: threading.Event | None = None
-               ) -> Iterator[CacheBatch]:
+    def stream(self, heartbeat_s: float) -> Generator[CacheBatch, None, None]:
         """A snapshot, then change batches (an empty one every `heartbeat_s` at least), until
         the worker stops or the caller closes the generator."""
         sub_id = next(self._ids)
