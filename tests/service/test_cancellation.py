@@ -80,3 +80,45 @@ def _read(call, received: list[str], codes: list[grpc.StatusCode]) -> None:
         codes.append(grpc.StatusCode.OK)
     except grpc.RpcError as exc:
         codes.append(exc.code())
+
+
+def test_cancel_during_the_handoff_of_a_partly_cached_prompt(stack):
+    """Its first pages are held on both sides already: the cancel frees what the request took
+    and unpins what it shared, and the cached pages still give the same tokens after it."""
+    prefix = [7 + i % 800 for i in range(800)]
+    with grpc.insecure_channel(stack.router) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+
+        def tokens(prompt: list[int]) -> tuple[list[int], router_pb2.Timing]:
+            ids: list[int] = []
+            timing = router_pb2.Timing()
+            for m in stub.Generate(router_pb2.GenerateRequest(
+                    token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True),
+                    timeout=120):
+                ids += m.delta.token_ids
+                if m.WhichOneof("kind") == "timing":
+                    timing = m.timing
+            return ids, timing
+
+        first, _ = tokens(prefix)
+        prefill0, decode0 = stack.prefill_stats(), stack.decode_stats()
+        received: list[str] = []
+        codes: list[grpc.StatusCode] = []
+        call = stub.Generate(router_pb2.GenerateRequest(
+            token_ids=prefix + [3 + i % 700 for i in range(2400)], max_tokens=4,
+            temperature=0.0), timeout=120)
+        reader = threading.Thread(target=_read, args=(call, received, codes))
+        reader.start()
+
+        def prefilling() -> bool:
+            return stack.prefill_stats().waiting_sequences == 1
+        assert wait_for(prefilling, timeout_s=60, interval_s=0.01), "prefill never started"
+        call.cancel()
+        reader.join(30)
+        assert not reader.is_alive() and codes == [grpc.StatusCode.CANCELLED]
+        assert wait_for(lambda: stack.prefill_stats().free_pages == prefill0.free_pages)
+        assert wait_for(lambda: stack.decode_stats().free_pages == decode0.free_pages)
+        assert stack.decode_stats().reserved_tickets == 0
+        again, timing = tokens(prefix)
+    assert again == first
+    assert timing.decode_cached_tokens == timing.prefill_cached_tokens == 49 * 16

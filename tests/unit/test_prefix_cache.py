@@ -261,3 +261,37 @@ def _decode_all(engine: Engine, rid: str) -> list[int]:
             break
         tokens += [o.token for o in engine.step() if o.seq_id == rid and o.token is not None]
     return tokens
+
+
+def test_pages_being_shipped_are_never_evicted(tiny, base):
+    """Prefill role: a prefilled sequence holds its pages (shared cached ones too) until its
+    handoff is done; a prompt that needs the whole pool waits for them instead of evicting
+    pages an agent may be reading."""
+    engine = _engine(tiny, role="prefill", num_pages=8)
+    try:
+        _handoff_free = engine.release_prefilled
+        engine.add_request("warm", base[:50], IGNORE)
+        _prefill(engine, "warm")
+        _handoff_free("warm")  # 3 full pages cached, unreferenced
+        engine.add_request("a", base[:60], IGNORE)  # shares them: 3 cached + 1 new page
+        out = _prefill(engine, "a")
+        assert out.cached_tokens == 48
+        held = engine.allocator.pages_of("a")
+        before = engine.pool.tensor[held].clone()
+        engine.add_request("b", [t + 1 for t in base] + base[:50], IGNORE)  # 120: 8 pages
+        for _ in range(3):
+            assert not [o for o in engine.step() if o.seq_id == "b"]
+        assert engine.stalled and torch.equal(engine.pool.tensor[held], before)
+        _handoff_free("a")  # shipped: now b may evict them
+        assert _prefill(engine, "b").token is not None
+        assert engine.allocator.num_evictions >= 3
+    finally:
+        engine.close()
+
+
+def _prefill(engine: Engine, rid: str):
+    for _ in range(100):
+        done = [o for o in engine.step() if o.seq_id == rid and o.token is not None]
+        if done:
+            return done[0]
+    raise AssertionError(f"{rid} was not prefilled")
