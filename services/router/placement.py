@@ -100,12 +100,14 @@ class Placement:
     candidates: list[Candidate] = field(default_factory=list)  # in ranked order
     decided_by: str = ""  # "locality", "load", "room", "retry" or "only" (one candidate)
 
-    def explain(self) -> str:
-        """One line: the pick, the deciding term, every candidate."""
+    def explain(self, most: int = 4) -> str:
+        """One line: the pick, the deciding term, the best `most` candidates."""
         if not self.ranked:
             return "no healthy worker"
+        more = len(self.candidates) - most
         return f"{self.ranked[0]} by {self.decided_by}: " + \
-            "; ".join(c.describe() for c in self.candidates)
+            "; ".join(c.describe() for c in self.candidates[:most]) + \
+            (f"; {more} more" if more > 0 else "")
 
 
 def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
