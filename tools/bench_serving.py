@@ -86,6 +86,8 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
             cmd.append("--colocated")
         if system.endswith("-nocache"):
             cmd.append("--no-prefix-cache")
+        if "-min" in system:  # pdserve-disaggregated-min256: --remote-prefill-min-tokens 256
+            env["PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS"] = system.rsplit("-min", 1)[1]
         if system == "pdserve-2p2d":
             cmd += ["--prefill", "2", "--decode", "2", "--no-cpu-partition"]
         ready_s = 180.0

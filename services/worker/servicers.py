@@ -212,9 +212,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 def _cache_events(worker: CacheSource, request: common_pb2.CacheEventsRequest,
                   context: grpc.ServicerContext) -> Iterator[common_pb2.CacheEventBatch]:
     """The worker's cache feed on the wire; ends when the caller goes away."""
-    if request.heartbeat_ms < 0:
+    if not 0 <= request.heartbeat_ms < 1e9:  # NaN too
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"heartbeat_ms={request.heartbeat_ms}: must be >= 0")
+                      f"heartbeat_ms={request.heartbeat_ms}: must be >= 0 (0: the default)")
     heartbeat_s = min(request.heartbeat_ms / 1e3 or 1.0, 60.0)
     fingerprint = worker.engine.pool.fingerprint
     stream = worker.cache_feed.stream(max(heartbeat_s, 0.01))

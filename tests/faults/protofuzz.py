@@ -41,7 +41,7 @@ _SCALARS: dict[int, st.SearchStrategy[Any]] = {
     d.FieldDescriptor.TYPE_UINT64: U64, d.FieldDescriptor.TYPE_UINT32: st.integers(0, 2**32 - 1),
     d.FieldDescriptor.TYPE_DOUBLE: F64, d.FieldDescriptor.TYPE_FLOAT: F32,
     d.FieldDescriptor.TYPE_BOOL: st.booleans(), d.FieldDescriptor.TYPE_STRING: TEXT,
-    d.FieldDescriptor.TYPE_BYTES: BYTES,
+    d.FieldDescriptor.TYPE_BYTES: BYTES, d.FieldDescriptor.TYPE_FIXED64: U64,
 }
 
 Overrides = dict[str, st.SearchStrategy[Any]]  # "Message.field" -> strategy of its value

@@ -16,7 +16,7 @@ import torch
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from tests.service.stack import collect, pdserve_stack
-from tests.support import ServiceProcess, free_port, running, wait_serving
+from tests.support import ServiceProcess, free_port, running, wait_for, wait_serving
 
 pytestmark = pytest.mark.service
 
@@ -44,6 +44,9 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_conversations_stay_with_their_history_and_spread_over_decode_workers():
     with pdserve_stack(decode=2) as s:
+        # The router serves once one decode worker is healthy: wait for both (a bounded poll).
+        assert wait_for(lambda: _metric(s.scrape("router"), "pdserve_workers_healthy",
+                                        role="decode") == 2, timeout_s=60)
         conversations = {c: _tokens(10 + c, 40) for c in range(4)}
         home: dict[int, str] = {}
         perfect = got = 0
@@ -101,10 +104,12 @@ def _restart_and_check(addr: dict[str, str], ports: dict[str, int], first: Servi
                        decode: list[str]) -> None:
     scrape = f"http://127.0.0.1:{ports['metrics']}/metrics"
 
-    def indexed() -> float:
+    def _scrape() -> str:
         with urllib.request.urlopen(scrape, timeout=10) as reply:
-            return _metric(reply.read().decode(), "pdserve_router_cache_index_pages",
-                           worker=addr["decode"])
+            return reply.read().decode()
+
+    def indexed() -> float:
+        return _metric(_scrape(), "pdserve_router_cache_index_pages", worker=addr["decode"])
 
     def wait_index(ok, what: str) -> float:
         deadline = time.monotonic() + 30
@@ -124,6 +129,8 @@ def _restart_and_check(addr: dict[str, str], ports: dict[str, int], first: Servi
     wait_index(lambda v: v == 0, "after the worker died")
     with running(decode, addr["decode"]):
         wait_index(lambda v: v == 0, "after the restart")
+        assert wait_for(lambda: _metric(_scrape(), "pdserve_workers_healthy",
+                                        role="decode") == 1, timeout_s=30)
         _, _, timing, _ = collect(_generate(
             addr["router"], token_ids=_tokens(1, 70), max_tokens=MAX_TOKENS,
             temperature=0.0, ignore_eos=True))
