@@ -228,8 +228,11 @@ class AttemptRunner:
         cached = self._cache.cached_pages([w.address for w in loads], gen.prompt_ids) \
             if self._cache is not None else {}
         placement = place_prefill(loads, num_tokens, cached, self._weights, avoid)
+        # What it will compute, not the whole prompt, is the load it adds (its cache has the rest).
+        lacks = {w.address: num_tokens - cached.get(w.address, 0) * w.block_size for w in loads}
         for address in placement.ranked:
-            worker = self._pool.acquire("prefill", address, num_tokens)
+            adds = lacks.get(address, num_tokens)
+            worker = self._pool.acquire("prefill", address, adds)
             if worker is not None:  # else it left the pool since the ranking
                 break
         else:
@@ -246,7 +249,7 @@ class AttemptRunner:
                                prefill=address, decode=reservation.address,
                                placement=placement.explain())
         finally:
-            self._pool.release(worker, num_tokens)
+            self._pool.release(worker, adds)
         if self._cache is not None:
             self._cache.speculate(address, gen.prompt_ids)
         return address, reply, sent, placement.explain()
