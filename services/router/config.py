@@ -56,10 +56,11 @@ class RouterConfig(ServerConfig):
                                        "is passed over, however much of the prompt it holds")
     imbalance_slack: int = option(4, "sequences a decode worker may run over the "
                                      "--max-imbalance line")
-    remote_prefill_min_tokens: int = option(64, "a prompt whose part the chosen decode worker "
-                                                "lacks is shorter than this many tokens is "
-                                                "prefilled by the decode worker itself (no "
-                                                "prefill call, no KV handoff); 0: never")
+    remote_prefill_min_tokens: int = option(256, "a prompt whose part the chosen decode worker "
+                                                 "lacks is shorter than this many tokens is "
+                                                 "prefilled by the decode worker itself (no "
+                                                 "prefill call, no KV handoff; measured in "
+                                                 "docs/benchmarks.md); 0: never")
     max_streams: int = option(256, "Generate streams served at once (server threads), per API")
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
                                           "without a certificate from that CA")
