@@ -74,7 +74,8 @@ class UpConfig:
     prefill_cpus: str = option("", "cores for the prefill workers, e.g. 0-3 (default: half of "
                                    "this process's cores)")
     decode_cpus: str = option("", "cores for the decode workers (default: the other half)")
-    demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop")
+    demo: bool = option(False, "send one demo request, print it with its TTFT breakdown, stop "
+                               "(the request goes through the prefill pool and the KV handoff)")
     demo_prompt: str = option("", "the demo request's text (default: 'What is the capital "
                                   "of France?' as a chat when the model has a chat template, "
                                   "else 'def fibonacci(n):')")
@@ -214,7 +215,10 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
         *py, "pdserve.router.main", "--port", str(cfg.port), "--http-port", str(cfg.http_port),
         "--model", str(model_dir),
         "--model-name", model_name, "--prefill", ",".join(prefill_addrs),
-        "--decode", ",".join(dict.fromkeys(decode_addrs))]))
+        "--decode", ",".join(dict.fromkeys(decode_addrs)),
+        # The demo shows the whole disaggregated path (prefill pool, KV handoff) whatever the
+        # length of its prompt; served traffic prefills short uncached parts on decode.
+        *(["--remote-prefill-min-tokens", "0"] if cfg.demo else [])]))
     return procs
 
 
