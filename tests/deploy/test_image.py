@@ -114,8 +114,9 @@ def grpcurl() -> str:
     return path
 
 
-def generate(address: str, prompt: str) -> list[dict[str, Any]]:
-    request = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+def generate(address: str, prompt: str | list[int]) -> list[dict[str, Any]]:
+    request = json.dumps({"prompt" if isinstance(prompt, str) else "token_ids": prompt,
+                          "max_tokens": MAX_TOKENS, "temperature": 0})
     done = subprocess.run([grpcurl(), "-plaintext", "-d", request, address,
                            "pdserve.v1.Router/Generate"], capture_output=True, text=True,
                           timeout=120)
@@ -137,11 +138,19 @@ def test_image_serves_the_cpu_demo_pods(stack, expected):
         tokens = [t for m in messages for t in m.get("delta", {}).get("token_ids", [])]
         assert tokens == expected[prompt], f"greedy tokens differ for {prompt!r}"
         (timing,) = [m["timing"] for m in messages if "timing" in m]
-        # The KV crossed from the prefill pod's agent to the decode pod's, and the workers
-        # are named after their pods (downward API metadata.name).
-        assert int(timing["kv_bytes"]) > 0 and timing["kv_transport"] in ("ucx", "tcp"), timing
-        assert timing["prefill_worker"] == stack.pods["prefill"].name, timing
+        # Short prompts are prefilled where they decode (the router's default
+        # --remote-prefill-min-tokens); the workers are named after their pods (downward API).
+        assert timing["prefill_on"] == "decode", timing
         assert timing["decode_worker"] == stack.pods["decode"].name, timing
+
+    # A long prompt goes through the prefill pod: its KV crosses from the prefill pod's agent
+    # to the decode pod's.
+    messages = generate(router, [5 + i % 900 for i in range(400)])
+    (timing,) = [m["timing"] for m in messages if "timing" in m]
+    assert timing["prefill_on"] == "prefill", timing
+    assert int(timing["kv_bytes"]) > 0 and timing["kv_transport"] in ("ucx", "tcp"), timing
+    assert timing["prefill_worker"] == stack.pods["prefill"].name, timing
+    assert timing["decode_worker"] == stack.pods["decode"].name, timing
 
     # The OpenAI-compatible HTTP API on the router's http port: the same tokens.
     http = f"http://127.0.0.1:{stack.pods['router'].host_port('router', 'http')}"
