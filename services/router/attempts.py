@@ -93,6 +93,7 @@ class AttemptRunner:
         self._weights = weights
         # An uncached part shorter than this is prefilled by the decode worker (0: never).
         self._remote_prefill_min_tokens = remote_prefill_min_tokens
+        self._placing = threading.Lock()
         self._max_retries = max_retries
         self._reserve_timeout_s = reserve_timeout_s
         self._prefill_timeout_s = prefill_timeout_s
@@ -168,8 +169,10 @@ class AttemptRunner:
     def _reserve(self, gen: Generation, worker_request_id: str, scope: CallScope,
                  avoid: set[str]) -> ReservationHandle:
         num_tokens = len(gen.prompt_ids)
-        placement = self._place_decode(gen, avoid)
-        ranked = placement.ranked
+        with self._placing:  # a burst's placements each see the calls the others took
+            placement = self._place_decode(gen, avoid)
+            ranked = placement.ranked
+            first = self._pool.acquire("decode", ranked[0]) if ranked else None
         if not ranked:
             raise Unavailable("no healthy decode worker")
         # The lease must outlive the longest prefill this router waits for; it only matters
@@ -182,7 +185,8 @@ class AttemptRunner:
         full: list[str] = []
         down: list[str] = []
         for address in ranked:
-            worker = self._pool.acquire("decode", address)
+            worker = first if first is not None else self._pool.acquire("decode", address)
+            first = None
             if worker is None:  # it left the pool since the ranking
                 continue
             stub = worker.decode

@@ -60,11 +60,14 @@ class DecodeLoad:
     reserved_tickets: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
     placed: int = 0  # requests this router has placed on it (spreads ties)
+    inflight: int = 0  # this router's requests on it now (placed, not ended)
 
     @property
     def sequences(self) -> int:
-        """Sequences that are, or soon will be, in its batch."""
-        return self.running_sequences + self.waiting_sequences + self.reserved_tickets
+        """Sequences that are, or soon will be, in its batch: at least what this router has
+        in flight there (its last Stats may be older than a burst of requests)."""
+        return max(self.running_sequences + self.waiting_sequences + self.reserved_tickets,
+                   self.inflight)
 
 
 @dataclass(frozen=True)

@@ -337,7 +337,7 @@ class WorkerPool:
 
     @staticmethod
     def _decode_load(w: Worker) -> DecodeLoad:
-        load = DecodeLoad(w.address, w.healthy, placed=w.placed)
+        load = DecodeLoad(w.address, w.healthy, placed=w.placed, inflight=w.calls)
         if w.stats is None:
             return load
         s = w.stats

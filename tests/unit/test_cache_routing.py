@@ -156,3 +156,11 @@ def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
         feed.close()
         loop.stop()
         engine.close()
+
+
+def test_a_burst_sees_the_requests_this_router_already_placed():
+    """Stats lag a burst: what this router has in flight on a worker counts as its load."""
+    stale = [DecodeLoad("d0", True, free_pages=100, inflight=3),
+             DecodeLoad("d1", True, free_pages=100, inflight=0)]
+    assert place_decode(stale, 100).ranked == ["d1", "d0"]
+    assert DecodeLoad("d", True, running_sequences=5, inflight=2).sequences == 5
