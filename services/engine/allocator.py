@@ -74,10 +74,6 @@ class PageAllocator:
         """Pages holding a key (referenced or not)."""
         return len(self._key_of)
 
-    @property
-    def num_evictable(self) -> int:
-        return len(self._lru)
-
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
@@ -178,11 +174,15 @@ class PageAllocator:
         counting as evictable once shared)."""
         return n <= self.num_free - sum(1 for p in hits if p in self._lru)
 
-    def touch(self, pages: Sequence[int]) -> None:
-        """Mark unreferenced cached pages as just used (a hit that was looked at)."""
-        for page in pages:
-            if page in self._lru:
-                self._lru.move_to_end(page)
+    def num_leading_cached(self, owner: Hashable) -> int:
+        """How many of `owner`'s first pages hold a key (a reservation's pinned hits: its new
+        pages get keys only once their KV has landed and a sequence owns them)."""
+        n = 0
+        for page in self._owned.get(owner, ()):
+            if page not in self._key_of:
+                break
+            n += 1
+        return n
 
     def clear(self) -> int:
         """Forget every unreferenced cached page; returns how many."""

@@ -73,7 +73,6 @@ class Engine:
         self.allocator = PageAllocator(config.num_pages, caching=config.prefix_caching)
         self.prefix = PrefixCache(self.allocator, self.pool.fingerprint,
                                   enabled=config.prefix_caching)
-        self._reserved_hits: dict[Hashable, int] = {}  # reservation -> cached pages it pinned
         self.eos_token_ids = frozenset(eos_token_ids)
         # The context this engine serves: the model's, or less where the config lowers it.
         self.max_model_len = min(config.max_model_len or model.max_context, model.max_context)
@@ -116,9 +115,7 @@ class Engine:
             else 0
         seq = Sequence(seq_id, list(prompt_ids), len(prompt_ids), params,
                        make_generator(params, self.device))
-        if hits:  # the reservation pinned cached leading pages: compute after them
-            seq.num_cached = seq.num_prefix_hit = hits * self.config.block_size
-            seq.num_keyed = hits
+        self._start_after(seq, hits)  # the reservation pinned cached leading pages
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -130,30 +127,33 @@ class Engine:
         OutOfPages when the pages are not free, or when `max_num_seqs` sequences are already
         running, waiting or reserved.
         """
-        return self.reserve_prompt(owner, [0] * num_prompt_tokens, lookup=False)[1]
+        return self._take_reservation(owner, num_prompt_tokens, [])
 
-    def reserve_prompt(self, owner: Hashable, prompt_ids: list[int], *,
-                       lookup: bool = True) -> tuple[int, list[int]]:
+    def reserve_prompt(self, owner: Hashable, prompt_ids: list[int]
+                       ) -> tuple[int, list[int], int]:
         """`reserve` for a known prompt: the leading full pages this pool already holds
         (never the page of the prompt's last token) are pinned under `owner` first, and only
-        the rest is newly allocated. Returns (cached pages, the new page ids): the handoff
-        has to fill only the new ones."""
+        the rest is newly allocated. Returns (cached pages, the new page ids, the key of the
+        last cached page or 0): the handoff has to fill only the new ones."""
+        keys: list[int] = []
+        hits = self.prefix.lookup(prompt_ids, keys)
+        new = self._take_reservation(owner, len(prompt_ids), hits)
+        return len(hits), new, self.prefix.last_key(keys, len(hits))
+
+    def _take_reservation(self, owner: Hashable, num_prompt_tokens: int,
+                          hits: list[int]) -> list[int]:
         if self.allocator.owns(owner):
             raise ValueError(f"{owner!r} already holds a reservation")
         live = len(self.running) + len(self.waiting) + self.num_reserved
         if live >= self.config.max_num_seqs:
             raise OutOfPages(f"{live} sequences running or reserved (max_num_seqs "
                              f"{self.config.max_num_seqs})")
-        hits = self.prefix.lookup(prompt_ids, []) if lookup else []
-        need = pages_for_tokens(len(prompt_ids), self.config.block_size) - len(hits)
+        need = pages_for_tokens(num_prompt_tokens, self.config.block_size) - len(hits)
         if not self.allocator.can_take(hits, need):
             raise OutOfPages(f"need {need} pages, {self.allocator.num_free} of "
                              f"{self.allocator.num_pages} free")
         self.allocator.share(owner, hits)
-        new = self.allocator.allocate(owner, need)
-        if hits:
-            self._reserved_hits[owner] = len(hits)
-        return len(hits), new
+        return self.allocator.allocate(owner, need)
 
     @property
     def num_reserved(self) -> int:
@@ -164,7 +164,6 @@ class Engine:
         """Return the pages of a reservation that no sequence adopted; returns how many."""
         if owner in self.seqs:
             raise ValueError(f"{owner!r} is a sequence, not a reservation")
-        self._reserved_hits.pop(owner, None)
         return self.allocator.free(owner)
 
     def release_prefilled(self, seq_id: str) -> int:
@@ -202,13 +201,14 @@ class Engine:
 
     def _adopt(self, reservation: Hashable, seq_id: str, num_prompt_tokens: int) -> int:
         """Move a reservation's pages to a sequence; returns the cached pages it pinned."""
+        hits = self.allocator.num_leading_cached(reservation)
         expected = pages_for_tokens(num_prompt_tokens, self.config.block_size)
         held = len(self.allocator.pages_of(reservation))
         if held != expected:
             raise ValueError(f"reservation {reservation!r} holds {held} pages, "
                              f"the prompt needs {expected}")
         self.allocator.transfer(reservation, seq_id)
-        return self._reserved_hits.pop(reservation, 0)
+        return hits
 
     def abort(self, seq_id: str) -> bool:
         seq = self.seqs.get(seq_id)
@@ -272,11 +272,15 @@ class Engine:
             return False
         self.allocator.share(seq.seq_id, hits)
         self.allocator.allocate(seq.seq_id, need)
-        seq.num_cached = len(hits) * self.config.block_size
-        seq.num_keyed = len(hits)
+        self._start_after(seq, len(hits))
+        return True
+
+    def _start_after(self, seq: Sequence, cached_pages: int) -> None:
+        """The sequence's first `cached_pages` pages came from the cache: compute after them."""
+        seq.num_cached = cached_pages * self.config.block_size
+        seq.num_keyed = cached_pages
         if seq.num_generated == 0:  # not a recompute after preemption
             seq.num_prefix_hit = seq.num_cached
-        return True
 
     def _run(self, decodes: list[Sequence], plan: list[tuple[Sequence, int]]
              ) -> list[StepOutput]:

@@ -28,6 +28,11 @@ class PrefixCache:
         page_keys(self.root, token_ids, bs, max_pages, keys)
         return self.allocator.lookup(keys[:max_pages], token_ids, bs)
 
+    @staticmethod
+    def last_key(keys: list[int], num_pages: int) -> int:
+        """The key of page `num_pages - 1` among a prompt's known keys (0 for none)."""
+        return keys[num_pages - 1] if num_pages > 0 else 0
+
     def boundary_key(self, prompt_ids: list[int], num_pages: int) -> int:
         """The key of the prompt's page `num_pages - 1` (0 for none)."""
         if num_pages <= 0:

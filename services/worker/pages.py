@@ -19,8 +19,8 @@ class EnginePages:
         def take(e: Engine) -> ReservedPages:
             if prompt_ids is None:
                 return ReservedPages(e.reserve(key, num_prompt_tokens))
-            cached, new = e.reserve_prompt(key, prompt_ids)
-            return ReservedPages(new, cached, e.prefix.boundary_key(prompt_ids, cached))
+            cached, new, boundary_key = e.reserve_prompt(key, prompt_ids)
+            return ReservedPages(new, cached, boundary_key)
         try:
             return self._loop.submit(take)
         except OutOfPages as exc:

@@ -225,7 +225,7 @@ def test_decode_reservation_pins_the_pages_it_holds(tiny, hf, base):
         assert first == 0
         tokens = _decode_all(decode, "r1")
         # Turn 2 shares 3 pages: decode reserves one new page and holds 3.
-        cached_pages, new = decode.reserve_prompt("t2", prompt + [4, 5])
+        cached_pages, new, _ = decode.reserve_prompt("t2", prompt + [4, 5])
         assert cached_pages == 3 and len(new) == 1
         with pytest.raises(OutOfPages):
             decode.reserve("t3", 16 * 8)  # the pinned pages are not evictable
@@ -245,7 +245,7 @@ def _handoff(prefill: Engine, decode: Engine, rid: str, prompt: list[int], skip:
             out = outs[0]
             break
     assert out is not None and out.page_ids
-    cached, new = decode.reserve_prompt(("key", rid), prompt)
+    cached, new, _ = decode.reserve_prompt(("key", rid), prompt)
     for src, dst in zip(out.page_ids[cached:], new):
         decode.pool.tensor[dst] = prefill.pool.tensor[src]
     prefill.release_prefilled(rid)
