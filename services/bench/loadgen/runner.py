@@ -86,14 +86,15 @@ def run(target: Target, plan: Plan, label: str = "bench serve", progress: bool =
             shown.tick(False)
 
     if plan.arrivals.concurrency is not None:
-        _closed_loop(one, len(records), plan.arrivals.concurrency)
+        closed_loop(one, len(records), plan.arrivals.concurrency)
     else:
         _open_loop(one, skip, plan.arrivals.gaps_s(len(records), plan.seed + 1),
                    plan.max_inflight, deadline)
     return records, time.perf_counter() - start
 
 
-def _closed_loop(one: object, count: int, concurrency: int) -> None:
+def closed_loop(one: Callable[[int], None], count: int, concurrency: int) -> None:
+    """`one(i)` for i in range(count), `concurrency` at a time, each index once."""
     next_index = iter(range(count))
     lock = threading.Lock()
 
@@ -103,7 +104,7 @@ def _closed_loop(one: object, count: int, concurrency: int) -> None:
                 i = next(next_index, None)
             if i is None:
                 return
-            one(i)  # type: ignore[operator]
+            one(i)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.bench.loadgen.runner import closed_loop
 from pdserve.bench.loadgen.stats import RequestRecord
 from pdserve.bench.loadgen.targets import Target
 from pdserve.bench.loadgen.workload import Vocabulary
@@ -75,40 +76,30 @@ def run_sessions(target: Target, plan: list[Session], concurrency: int, timeout_
     """Closed loop: `concurrency` sessions at once, each one's turns in order."""
     records: list[RequestRecord] = []
     lock = threading.Lock()
-    todo = iter(range(len(plan)))
     start = time.perf_counter()
     deadline = time.monotonic() + max_duration_s
 
-    def worker() -> None:
-        while True:
+    def one(i: int) -> None:
+        history: list[int] = []
+        computed = 0  # tokens of the history whose KV the previous turn left
+        for t, turn in enumerate(plan[i].turns):
+            prompt = history + turn.new_ids
+            record = RequestRecord(0, len(prompt), turn.output_tokens, turn=t)
+            # A perfect cache (pages of BLOCK tokens, the last token always computed):
+            record.reusable_tokens = min(computed, len(prompt) - 1) // BLOCK * BLOCK
+            if time.monotonic() >= deadline:
+                record.error = "not sent: --max-duration reached"
+            else:
+                record.sent_at_s = time.perf_counter() - start
+                target.send(record, prompt, turn.output_tokens, timeout_s)
             with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            history: list[int] = []
-            computed = 0  # tokens of the history whose KV the previous turn left
-            for t, turn in enumerate(plan[i].turns):
-                prompt = history + turn.new_ids
-                record = RequestRecord(0, len(prompt), turn.output_tokens, turn=t)
-                # A perfect cache (pages of BLOCK tokens, the last token always computed):
-                record.reusable_tokens = min(computed, len(prompt) - 1) // BLOCK * BLOCK
-                if time.monotonic() >= deadline:
-                    record.error = "not sent: --max-duration reached"
-                else:
-                    record.sent_at_s = time.perf_counter() - start
-                    target.send(record, prompt, turn.output_tokens, timeout_s)
-                with lock:
-                    record.index = len(records)
-                    records.append(record)
-                if not record.ok:
-                    break  # the rest of the conversation has no history to send
-                answer = record.output_ids or [turn.new_ids[-1]] * record.output_tokens
-                history = prompt + answer
-                computed = len(history) - 1  # the last answer token's KV is never computed
+                record.index = len(records)
+                records.append(record)
+            if not record.ok:
+                return  # the rest of the conversation has no history to send
+            answer = record.output_ids or [turn.new_ids[-1]] * record.output_tokens
+            history = prompt + answer
+            computed = len(history) - 1  # the last answer token's KV is never computed
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    closed_loop(one, len(plan), concurrency)
     return records, time.perf_counter() - start
