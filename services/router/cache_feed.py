@@ -43,6 +43,9 @@ class CacheFeeds:
         self._streams: dict[str, grpc.Call | None] = {}  # followed now (None: opening)
         self._layout: dict[str, tuple[int, int]] = {}   # worker -> (root key, block size)
         self._unsupported: set[str] = set()
+        # One request's placements (decode, prefill) and speculations all ask for the keys of
+        # the same prompt, on the same thread: hashed once per layout, not once per question.
+        self._recent = threading.local()
 
     def sync(self, members: Iterable[Followed]) -> None:
         """Follow these workers (start streams for new ones); stop following the rest."""
@@ -81,24 +84,21 @@ class CacheFeeds:
         layout = self._layout.get(address)
         if layout is None:
             return []
-        root, block_size = layout
-        return page_keys(root, prompt_ids, block_size, (len(prompt_ids) - 1) // block_size)
+        recent = self._recent.__dict__
+        if recent.get("prompt") is not prompt_ids:
+            recent["prompt"], recent["keys"] = prompt_ids, {}
+        keys: list[int] | None = recent["keys"].get(layout)
+        if keys is None:
+            root, block_size = layout
+            keys = recent["keys"][layout] = page_keys(root, prompt_ids, block_size,
+                                                      (len(prompt_ids) - 1) // block_size)
+        return keys
 
     def cached_pages(self, addresses: Iterable[str], prompt_ids: Sequence[int]
                      ) -> dict[str, int]:
         """Leading pages of the prompt each worker holds, as far as the index knows."""
-        memo: dict[tuple[int, int], list[int]] = {}
-        out = {}
-        for address in addresses:
-            layout = self._layout.get(address)
-            if layout is None:
-                out[address] = 0
-                continue
-            keys = memo.get(layout)
-            if keys is None:
-                keys = memo[layout] = self.prompt_keys(address, prompt_ids)
-            out[address] = self.index.cached_pages(address, keys)
-        return out
+        return {address: self.index.cached_pages(address, self.prompt_keys(address, prompt_ids))
+                for address in addresses}
 
     def speculate(self, address: str, prompt_ids: Sequence[int]) -> None:
         self.index.speculate(address, self.prompt_keys(address, prompt_ids))
