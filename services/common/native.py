@@ -39,15 +39,16 @@ def cpu_flags() -> str:
     return ""
 
 
-def build_shared(compiler: str, source: Path, target: Path, flags: Sequence[str],
-                 libs: Sequence[str] = ()) -> None:
-    """Compile `source` into the shared object `target`, atomically: a concurrent build of the
-    same target by another process is harmless."""
+def build_shared(compiler: str, source: Path | Sequence[Path], target: Path,
+                 flags: Sequence[str], libs: Sequence[str] = ()) -> None:
+    """Compile `source` (one C file or several) into the shared object `target`, atomically:
+    a concurrent build of the same target by another process is harmless."""
+    sources = [source] if isinstance(source, Path) else list(source)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], check=True,
+        subprocess.run([compiler, *flags, *map(str, sources), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users (an image's) must load it
         os.replace(tmp, target)

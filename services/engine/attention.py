@@ -4,10 +4,12 @@
 q [N, H, D], whose K/V (new ones included) are already in the pages of `layer_kv`
 (`pool[:, layer]`, [P, 2, block, kvh, D]). Two ways, same results up to float rounding:
 
-- native (float32 on CPU, when the C kernel builds): for sequences with a few new tokens
+- native (float32 on CPU, when the C kernels build): for sequences with a few new tokens
   (decode), `kernels.paged_attention` walks each block table and reads K/V where they lie,
-  the query heads of one KV head together; a longer prompt chunk gathers its own pages once
-  and runs torch's SDPA (the gather is small next to the chunk's attention);
+  the query heads of one KV head together; longer prompt chunks go to
+  `kernels.prefill_attention`, flash-style causal attention over the pages in place (no
+  score matrix, no mask, keys past a row never visited). Where that kernel does not fit the
+  head shape, a chunk gathers its own pages once and runs torch's SDPA;
 - gather (any dtype, any device): every page of the batch copied into a workspace per layer
   (`index_select`), queries padded to [S, T], torch's SDPA with a [S, 1, T, K] mask.
 """
@@ -30,7 +32,10 @@ KERNEL_MAX_QUERY = 8  # sequences with more new tokens than this run through SDP
 class _Plan:
     # (q_starts, q_ends, context_lens, block_tables, max_context) of the kernel's sequences
     kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None
-    # (first row, end row, page ids, mask or None for plain causal) of each long chunk
+    # (q_starts, q_ends, context_lens, block_tables) of the prefill kernel's sequences
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (first row, end row, page ids, mask or None for plain causal) of each long chunk that
+    # runs through SDPA instead
     chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
@@ -48,6 +53,8 @@ class PagedAttention:
         self._rows = torch.empty(0, dtype=torch.int64)
         self._plan_for: Any = None
         self._last_plan: _Plan | None = None
+        self.prefill_kernel = (head_dim in kernels.PREFILL_HEAD_DIMS
+                               and num_heads // num_kv_heads <= kernels.PREFILL_MAX_GROUP)
 
     def native(self, kv: torch.Tensor) -> ctypes.CDLL | None:
         if kv.device.type != "cpu" or kv.dtype != torch.float32:
@@ -67,6 +74,10 @@ class PagedAttention:
             kernels.paged_attention(lib, q, out, layer_kv, starts, ends, context, tables,
                                     num_kv_heads=self.num_kv_heads, window=self.window or 0,
                                     scale=self.scale, max_context=max_context)
+        if plan.prefill is not None:
+            kernels.prefill_attention(lib, q, out, layer_kv, *plan.prefill,
+                                      num_kv_heads=self.num_kv_heads, window=self.window or 0,
+                                      scale=self.scale)
         for first, last, pages, mask in plan.chunks:
             out[first:last] = self._chunk(q[first:last], layer_kv, pages, mask)
         return out
@@ -85,11 +96,17 @@ class PagedAttention:
             kernel = (qs[:-1][idx].contiguous(), qs[1:][idx].contiguous(),
                       context[idx].contiguous(), batch.block_tables[idx].contiguous(),
                       int(context[idx].max()))
+        long = [i for i, n in enumerate(qlens) if n > KERNEL_MAX_QUERY]
+        if long and self.prefill_kernel:
+            idx = torch.tensor(long, device=qs.device)
+            prefill = (qs[:-1][idx].contiguous(), qs[1:][idx].contiguous(),
+                       context[idx].contiguous(), batch.block_tables[idx].contiguous())
+            self._plan_for, self._last_plan = batch, _Plan(kernel, prefill, [])
+            return self._last_plan
         chunks = []
         block = batch.block_size
-        for i, n in enumerate(qlens):
-            if n <= KERNEL_MAX_QUERY:
-                continue
+        for i in long:
+            n = qlens[i]
             ctx = int(context[i])
             pages = batch.block_tables[i, :-(-ctx // block)]
             mask = None  # a whole prompt in one chunk: plain causal
@@ -101,7 +118,7 @@ class PagedAttention:
                     mask &= key_pos > q_pos - self.window
             first = int(qs[i])
             chunks.append((first, first + n, pages, mask))
-        self._plan_for, self._last_plan = batch, _Plan(kernel, chunks)
+        self._plan_for, self._last_plan = batch, _Plan(kernel, None, chunks)
         return self._last_plan
 
     def _chunk(self, q: torch.Tensor, layer_kv: torch.Tensor, pages: torch.Tensor,

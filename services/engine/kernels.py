@@ -1,15 +1,17 @@
-"""The engine's one native kernel: attention over the paged pool, read in place (fp32, CPU).
+"""The engine's native kernels: attention over the paged pool, read in place (fp32, CPU).
 
-`csrc/paged_attention.c` is plain C (no torch headers), so the system C compiler builds it in
-well under a second on first use; the library is cached under the pdserve cache directory,
-keyed by the source, the compiler and the CPU's flags, and loaded with ctypes. It runs its
-OpenMP loop on torch's own OpenMP runtime (same `libgomp.so.1`, already loaded by torch),
-so kernel and GEMMs share one thread pool. With no C compiler the engine falls back to
-gathering pages and calling torch's SDPA (slower, same results), and says so once.
+`csrc/paged_attention.c` (rows with few new tokens: decode) and `csrc/prefill_attention.c`
+(prompt chunks, flash-style causal attention) are plain C (no torch headers), built into one
+library, so the system C compiler builds it in about a second on first use; the library is
+cached under the pdserve cache directory, keyed by the sources, the compiler and the CPU's
+flags, and loaded with ctypes. It runs its OpenMP loops on torch's own OpenMP runtime (same
+`libgomp.so.1`, already loaded by torch), so kernels and GEMMs share one thread pool. With
+no C compiler the engine falls back to gathering pages and calling torch's SDPA (slower, same
+results), and says so once.
 
 Images without a compiler (deploy/Containerfile) carry portable builds made ahead of time by
 `python -m pdserve.engine.kernels prebuild DIR`: one per x86-64 ISA level, named by the
-source's hash and the level; with no compiler the best level this CPU supports is loaded.
+sources' hash and the level; with no compiler the best level this CPU supports is loaded.
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ import torch
 from pdserve.common.native import build_shared, compiler, kernels_dir, prebuild_main
 from pdserve.common.native import cpu_flags as _cpu_flags
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_attention.c", "prefill_attention.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 log = logging.getLogger("pdserve.engine.kernels")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
+_PREFILL_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # what the prefill kernel is compiled for
+PREFILL_MAX_GROUP = 16  # query heads per KV head
 # Portable builds, best first: the ISA level (a -march value) and the CPU flags it needs.
 PORTABLE_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
     ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
@@ -42,11 +48,18 @@ _tried = False
 
 
 def _build(cc: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    build_shared(cc, SOURCE, target, flags, libs=("-lmvec", "-lm"))
+    build_shared(cc, SOURCES, target, flags, libs=("-lmvec", "-lm"))
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    return h.hexdigest()
 
 
 def _portable_name(level: str) -> str:
-    return f"paged_attention-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}-{level}.so"
+    return f"paged_attention-{_source_hash()[:16]}-{level}.so"
 
 
 def _prebuilt(directory: Path) -> Path | None:
@@ -82,7 +95,7 @@ def library() -> ctypes.CDLL | None:
     cc = compiler()
     kernels = kernels_dir()
     if cc:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cc.encode()
+        key = hashlib.sha256(_source_hash().encode() + " ".join(FLAGS).encode() + cc.encode()
                              + _cpu_flags().encode()).hexdigest()[:16]
         target = kernels / f"paged_attention-{key}.so"
     else:
@@ -103,6 +116,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.paged_attention_f32.argtypes = _ARGTYPES
     lib.paged_attention_f32.restype = ctypes.c_int
+    lib.paged_prefill_f32.argtypes = _PREFILL_ARGTYPES
+    lib.paged_prefill_f32.restype = ctypes.c_int
     log.info("paged attention kernel: %s", target.name)
     _lib = lib
     return lib
@@ -129,6 +144,25 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
             q.shape[2], window, scale, max_context, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc})")
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor,
+                      layer_kv: torch.Tensor, q_starts: torch.Tensor, q_ends: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, *,
+                      num_kv_heads: int, window: int, scale: float) -> None:
+    """Causal attention for prompt chunks: `paged_attention`'s arguments and layout, for
+    sequences with many new rows each (head_dim in PREFILL_HEAD_DIMS, at most
+    PREFILL_MAX_GROUP query heads per KV head)."""
+    num_seqs, max_pages = block_tables.shape
+    with torch.profiler.record_function("prefill_attention"):
+        rc = lib.paged_prefill_f32(
+            q.data_ptr(), out.data_ptr(), layer_kv[0, 0].data_ptr(), layer_kv[0, 1].data_ptr(),
+            q_starts.data_ptr(), q_ends.data_ptr(), context_lens.data_ptr(),
+            block_tables.data_ptr(), num_seqs, max_pages, layer_kv.stride(0),
+            layer_kv.shape[2], q.shape[1], num_kv_heads, q.shape[2], window, scale,
+            torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"prefill attention kernel failed (code {rc})")
 
 
 def main(argv: list[str] | None = None) -> int:

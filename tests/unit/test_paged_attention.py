@@ -47,8 +47,13 @@ def _reference(q: torch.Tensor, layer_kv: torch.Tensor, seqs: list[tuple[int, in
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [
-    (8, 2, 32, None), (4, 4, 64, None), (6, 2, 24, None), (8, 2, 32, 20)])
+    (8, 2, 32, None), (4, 4, 64, None), (6, 2, 24, None), (8, 2, 32, 20), (4, 2, 16, None),
+    (16, 4, 64, 70), (4, 1, 128, None)])
 def test_kernel_matches_gather_and_plain_math(lib, heads, kv_heads, head_dim, window):
+    """Decode rows take the row kernel; prompt chunks the flash-style prefill kernel where
+    it is built for the head size (24 is not: those chunks run through SDPA)."""
+    attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, window)
+    assert attention.prefill_kernel == (head_dim != 24)
     _check_against_plain_math(lib, heads, kv_heads, head_dim, window)
 
 
@@ -84,11 +89,12 @@ def test_a_portable_prebuilt_kernel_is_used_where_there_is_no_compiler(lib, tmp_
 def _check_against_plain_math(lib, heads: int, kv_heads: int, head_dim: int,
                               window: int | None) -> None:
     gen = torch.Generator().manual_seed(3)
-    num_pages, layers = 40, 2
+    num_pages, layers = 60, 2
     pool = torch.randn(num_pages, layers, 2, BLOCK, kv_heads, head_dim, generator=gen)
     order = torch.randperm(num_pages, generator=gen).tolist()
-    # (new tokens, context incl. them): decode rows, a chunk over two tiles, a fresh prompt
-    shapes = [(1, 1), (1, 37), (33, 50), (5, 5), (1, 129), (17, 100)]
+    # (new tokens, context incl. them): decode rows, a chunk over two tiles, a fresh prompt,
+    # a chunk after cached context spanning several key blocks (and window edges)
+    shapes = [(1, 1), (1, 37), (33, 50), (5, 5), (1, 129), (17, 100), (70, 230), (9, 9)]
     seqs, at = [], 0
     for qlen, context in shapes:
         n = -(-context // BLOCK)
