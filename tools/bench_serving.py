@@ -8,6 +8,9 @@ same seeded workloads against each. Issue 10's serving targets, printed with the
      Poisson arrivals: disaggregated vs co-located (ITL p99 <= 0.5x, TTFT p99 <= 1.5x, goodput
      under --slo >= 1.2x); vLLM alongside for reference.
 
+  E. one long prompt at a time (--long-tokens, 4 tokens out): issue 21's prefill target,
+     co-located (and disaggregated) TTFT p50 vs vLLM's.
+
   C. a shared prefix (--prefix-tokens common tokens, short unique suffixes), 4 at a time;
   D. multi-turn conversations (6 turns, each adding --turn-tokens, re-sending the history), 4
      conversations at once: issue 20's reuse targets, with vLLM's prefix cache on (its
@@ -125,6 +128,9 @@ def scenarios(args: argparse.Namespace) -> dict[str, dict[str, str]]:
         "D": {"flags": f"--workload multiturn:6,{args.turn_tokens},{args.turn_tokens},16 "
                        f"--concurrency 4 --num-requests {args.requests // 6 * 6} --warmup 2 "
                        "--max-duration 900"},
+        "E": {"flags": f"--workload fixed:{args.long_tokens},4 --concurrency 1 "
+                       f"--num-requests {max(8, args.requests // 4)} --warmup 2 "
+                       "--max-duration 900"},
     }
 
 
@@ -173,6 +179,11 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
                / med("A", v, "ttft_ms", "p99"), 1.0, False)
         target("A: co-located / vLLM ITL p99", med("A", c, "itl_ms", "p99")
                / med("A", v, "itl_ms", "p99"), 1.0, False)
+    for system in ("pdserve-colocated", "pdserve-disaggregated"):
+        if {system, "vllm"} <= results.get("E", {}).keys():
+            target(f"E: {system.removeprefix('pdserve-')} / vLLM TTFT p50 (one long prompt)",
+                   med("E", system, "ttft_ms", "p50") / med("E", "vllm", "ttft_ms", "p50"),
+                   1.0, False)
     for scn, label in (("C", "shared prefix"), ("D", "multi-turn")):
         for system in ("pdserve-disaggregated", "pdserve-colocated"):
             if {system, "vllm-cache"} <= results.get(scn, {}).keys():
@@ -242,6 +253,8 @@ def main() -> int:
     p.add_argument("--prefix-tokens", type=int, default=512, help="scenario C's common prefix")
     p.add_argument("--turn-tokens", type=int, default=100,
                    help="scenario D: the first prompt's tokens and each later turn's new ones")
+    p.add_argument("--long-tokens", type=int, default=960,
+                   help="scenario E: one prompt of this many tokens at a time, 4 tokens out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
