@@ -4,7 +4,8 @@
 q [N, H, D], whose K/V (new ones included) are already in the pages of `layer_kv`
 (`pool[:, layer]`, [P, 2, block, kvh, D]). Two ways, same results up to float rounding:
 
-- native (float32 on CPU, when the C kernels build): for sequences with a few new tokens
+- native (float32 or bfloat16 pools on CPU, when the C kernels build; the kernels widen bf16
+  K/V as they read them and compute in float32): for sequences with a few new tokens
   (decode), `kernels.paged_attention` walks each block table and reads K/V where they lie,
   the query heads of one KV head together; longer prompt chunks go to
   `kernels.prefill_attention`, flash-style causal attention over the pages in place (no
@@ -57,7 +58,7 @@ class PagedAttention:
                                and num_heads // num_kv_heads <= kernels.PREFILL_MAX_GROUP)
 
     def native(self, kv: torch.Tensor) -> ctypes.CDLL | None:
-        if kv.device.type != "cpu" or kv.dtype != torch.float32:
+        if kv.device.type != "cpu" or kv.dtype not in kernels.KV_DTYPES:
             return None
         if self.num_heads // self.num_kv_heads > 16:
             return None
@@ -68,19 +69,20 @@ class PagedAttention:
         if lib is None:
             return self._gathered(q, layer_kv, batch)
         plan = self._plan(batch)
-        out = torch.empty_like(q)
+        q32 = q.float()  # the kernels take float32 queries (a no-op for a float32 model)
+        out = torch.empty_like(q32)
         if plan.kernel is not None:
             starts, ends, context, tables, max_context = plan.kernel
-            kernels.paged_attention(lib, q, out, layer_kv, starts, ends, context, tables,
+            kernels.paged_attention(lib, q32, out, layer_kv, starts, ends, context, tables,
                                     num_kv_heads=self.num_kv_heads, window=self.window or 0,
                                     scale=self.scale, max_context=max_context)
         if plan.prefill is not None:
-            kernels.prefill_attention(lib, q, out, layer_kv, *plan.prefill,
+            kernels.prefill_attention(lib, q32, out, layer_kv, *plan.prefill,
                                       num_kv_heads=self.num_kv_heads, window=self.window or 0,
                                       scale=self.scale)
         for first, last, pages, mask in plan.chunks:
             out[first:last] = self._chunk(q[first:last], layer_kv, pages, mask)
-        return out
+        return out.to(q.dtype)
 
     def _plan(self, batch: Batch) -> _Plan:
         """Which sequences the kernel takes (few new tokens: decode), which run as chunks

@@ -1,4 +1,5 @@
-"""The engine's native kernels: attention over the paged pool, read in place (fp32, CPU).
+"""The engine's native kernels: attention over the paged pool, read in place (CPU; K/V in
+float32 or bfloat16, queries and outputs in float32).
 
 `csrc/paged_attention.c` (rows with few new tokens: decode) and `csrc/prefill_attention.c`
 (prompt chunks, flash-style causal attention) are plain C (no torch headers), built into one
@@ -30,6 +31,8 @@ from pdserve.common.native import cpu_flags as _cpu_flags
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention.c", "prefill_attention.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "kv_types.h",)
+KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # pool dtypes the kernels read
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 log = logging.getLogger("pdserve.engine.kernels")
 _I64 = ctypes.c_int64
@@ -53,7 +56,7 @@ def _build(cc: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     return h.hexdigest()
 
@@ -114,10 +117,11 @@ def library() -> ctypes.CDLL | None:
         log.warning("paged attention kernel unavailable (%s): falling back to gather + SDPA",
                     detail)
         return None
-    lib.paged_attention_f32.argtypes = _ARGTYPES
-    lib.paged_attention_f32.restype = ctypes.c_int
-    lib.paged_prefill_f32.argtypes = _PREFILL_ARGTYPES
-    lib.paged_prefill_f32.restype = ctypes.c_int
+    for kind in KV_DTYPES.values():
+        getattr(lib, f"paged_attention_{kind}").argtypes = _ARGTYPES
+        getattr(lib, f"paged_attention_{kind}").restype = ctypes.c_int
+        getattr(lib, f"paged_prefill_{kind}").argtypes = _PREFILL_ARGTYPES
+        getattr(lib, f"paged_prefill_{kind}").restype = ctypes.c_int
     log.info("paged attention kernel: %s", target.name)
     _lib = lib
     return lib
@@ -128,7 +132,8 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
                     block_tables: torch.Tensor, *, num_kv_heads: int, window: int, scale: float,
                     max_context: int) -> None:
     """out[rows] = attention of q[rows] over the pages of `layer_kv`, for the sequences given:
-    sequence s owns rows q_starts[s] .. q_ends[s]-1 of q [N, H, D] (and of out).
+    sequence s owns rows q_starts[s] .. q_ends[s]-1 of q [N, H, D] (and of out), both
+    float32 and contiguous; `layer_kv` float32 or bfloat16 (KV_DTYPES).
 
     `layer_kv` is one layer's view of the pool, `pool[:, layer]`: [P, 2, block, kvh, D], whose
     pages stand `stride(0)` elements apart. Index tensors are int64 and contiguous.
@@ -136,8 +141,9 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
     num_seqs, max_pages = block_tables.shape
     k_base = layer_kv[0, 0].data_ptr()
     v_base = layer_kv[0, 1].data_ptr()
+    entry = getattr(lib, f"paged_attention_{KV_DTYPES[layer_kv.dtype]}")
     with torch.profiler.record_function("paged_attention"):
-        rc = lib.paged_attention_f32(
+        rc = entry(
             q.data_ptr(), out.data_ptr(), k_base, v_base, q_starts.data_ptr(),
             q_ends.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), num_seqs,
             max_pages, layer_kv.stride(0), layer_kv.shape[2], q.shape[1], num_kv_heads,
@@ -154,8 +160,9 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor,
     sequences with many new rows each (head_dim in PREFILL_HEAD_DIMS, at most
     PREFILL_MAX_GROUP query heads per KV head)."""
     num_seqs, max_pages = block_tables.shape
+    entry = getattr(lib, f"paged_prefill_{KV_DTYPES[layer_kv.dtype]}")
     with torch.profiler.record_function("prefill_attention"):
-        rc = lib.paged_prefill_f32(
+        rc = entry(
             q.data_ptr(), out.data_ptr(), layer_kv[0, 0].data_ptr(), layer_kv[0, 1].data_ptr(),
             q_starts.data_ptr(), q_ends.data_ptr(), context_lens.data_ptr(),
             block_tables.data_ptr(), num_seqs, max_pages, layer_kv.stride(0),

@@ -57,6 +57,14 @@ def test_kernel_matches_gather_and_plain_math(lib, heads, kv_heads, head_dim, wi
     _check_against_plain_math(lib, heads, kv_heads, head_dim, window)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [
+    (8, 2, 32, None), (16, 4, 64, 70), (6, 2, 24, None)])
+def test_kernel_reads_a_bfloat16_pool(lib, heads, kv_heads, head_dim, window):
+    """A bf16 model's pool: the kernels widen K/V as they read them and compute in float32,
+    so they agree with float64 math over the same bf16 values to the output's bf16 rounding."""
+    _check_against_plain_math(lib, heads, kv_heads, head_dim, window, torch.bfloat16)
+
+
 def test_a_portable_prebuilt_kernel_is_used_where_there_is_no_compiler(lib, tmp_path,
                                                                        monkeypatch):
     """What an image without a C compiler does: the x86-64-v3/v4 builds made ahead of time
@@ -87,10 +95,10 @@ def test_a_portable_prebuilt_kernel_is_used_where_there_is_no_compiler(lib, tmp_
 
 
 def _check_against_plain_math(lib, heads: int, kv_heads: int, head_dim: int,
-                              window: int | None) -> None:
+                              window: int | None, dtype: torch.dtype = torch.float32) -> None:
     gen = torch.Generator().manual_seed(3)
     num_pages, layers = 60, 2
-    pool = torch.randn(num_pages, layers, 2, BLOCK, kv_heads, head_dim, generator=gen)
+    pool = torch.randn(num_pages, layers, 2, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_pages, generator=gen).tolist()
     # (new tokens, context incl. them): decode rows, a chunk over two tiles, a fresh prompt,
     # a chunk after cached context spanning several key blocks (and window edges)
@@ -102,14 +110,16 @@ def _check_against_plain_math(lib, heads: int, kv_heads: int, head_dim: int,
         at += n
     batch = Batch.build([[0] * qlen for qlen, _, _ in seqs], [c - q for q, c, _ in seqs],
                         [pages for _, _, pages in seqs], BLOCK, torch.device("cpu"))
-    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen).to(dtype)
     attention = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5, window)
     layer_kv = pool[:, 1]  # a strided view, as the model passes it
     native = attention(q, layer_kv, batch, lib)
     gathered = attention(q, layer_kv, batch, None)
     expected = _reference(q, layer_kv, seqs, kv_heads, window)
-    assert (native.double() - expected).abs().max().item() < 1e-5
-    assert (gathered.double() - expected).abs().max().item() < 1e-5
+    assert native.dtype == gathered.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # |outputs| < 4
+    assert (native.double() - expected).abs().max().item() < tol
+    assert (gathered.double() - expected).abs().max().item() < 4 * tol
 
 
 def test_agreement_counts_identical_sequences_and_common_prefixes():

@@ -16,7 +16,13 @@
  * walked token by token, every KV head of the range at once, so the reads stream through the
  * page's contiguous bytes; the query heads that share a KV head use each K/V row while it is
  * in registers. Scores are an exact two-pass softmax (max, exp, sum), as the reference math.
+ *
+ * The pool holds float32 or bfloat16 K/V: this file's second half is compiled once per type
+ * (it includes itself), reading K/V through `ld1`/`ld16`, which widen bf16 to float32;
+ * queries, scores and outputs are float32 either way. Entry points: paged_attention_f32 and
+ * paged_attention_bf16.
  */
+#ifndef KV_T
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,13 +32,11 @@
 #pragma omp declare simd notinbranch
 float expf(float);
 
+#include "kv_types.h"
+
 #define Q_TILE 16
 #define MAX_HEAD_DIM 512
 
-/* 16-float vectors (one AVX-512 register, two AVX2 ones): GCC lowers them to what -march has. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
-typedef int32_t i16 __attribute__((vector_size(64)));
 
 static inline v16 pair_sum(v16 x, v16 y, i16 lo, i16 hi) {
     return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
@@ -56,16 +60,29 @@ static inline v16 sum16(v16 *a) {
     return pair_sum(d[0], d[1], lo1, hi1);
 }
 
+
+#define KV_T float
+#define KV_NAME(name) name##_f32
+#include __FILE__
+#undef KV_T
+#undef KV_NAME
+#define KV_T bf16_t
+#define KV_NAME(name) name##_bf16
+#include __FILE__
+#undef KV_T
+#undef KV_NAME
+
+#else /* the part compiled once per K/V type */
 /* scores[t] = scale * q . k_t for `count` <= 16 keys k_t = k + t * tok_stride; head_dim a
  * multiple of 16. */
-static inline void dots16(const float *q, const float *k, int64_t tok_stride, int64_t count,
+static inline void KV_NAME(dots16)(const float *q, const KV_T *k, int64_t tok_stride, int64_t count,
                           int64_t head_dim, float scale, float *scores) {
     v16 acc[16];
     for (int64_t t = 0; t < 16; t++) {
         v16 a = {0};
         if (t < count)
             for (int64_t d = 0; d < head_dim; d += 16)
-                a += *(const v16u *)(q + d) * *(const v16u *)(k + t * tok_stride + d);
+                a += *(const v16u *)(q + d) * KV_NAME(ld16)(k + t * tok_stride + d);
         acc[t] = a;
     }
     const v16 sums = sum16(acc) * scale;
@@ -74,7 +91,7 @@ static inline void dots16(const float *q, const float *k, int64_t tok_stride, in
 
 /* Ask for a page's rows of the item's heads ahead of use: pages lie anywhere in the pool, so
  * the hardware prefetcher cannot guess the next one. */
-static inline void prefetch_page(const float *first_row, int64_t block, int64_t tok_stride,
+static inline void KV_NAME(prefetch_page)(const KV_T *first_row, int64_t block, int64_t tok_stride,
                                  int64_t row_floats) {
     for (int64_t t = 0; t < block; t++)
         for (int64_t f = 0; f < row_floats; f += 16)
@@ -84,7 +101,7 @@ static inline void prefetch_page(const float *first_row, int64_t block, int64_t 
 /* Query row at position `pos` (keys lo..pos) for KV heads h0..h1-1 and their query heads.
  * HD is a compile-time head_dim (loops unroll and vectorize fully), or 0 for any. */
 #define ATTEND_ROW(NAME, HD)                                                                    \
-static void NAME(const float *qrow, float *orow, const float *k_base, const float *v_base,     \
+static void NAME(const float *qrow, float *orow, const KV_T *k_base, const KV_T *v_base,       \
                  const int64_t *table, int64_t page_stride, int64_t block, int64_t kv_heads,   \
                  int64_t head_dim_rt, int64_t h0, int64_t h1, int64_t group, int64_t lo,        \
                  int64_t pos, float scale, float *scores) {                                    \
@@ -97,22 +114,22 @@ static void NAME(const float *qrow, float *orow, const float *k_base, const floa
     for (int64_t j0 = lo; j0 <= pos;) {                                                        \
         const int64_t page = j0 / block, off = j0 % block;                                     \
         const int64_t count = (block - off) < (pos + 1 - j0) ? (block - off) : (pos + 1 - j0); \
-        const float *k = k_base + table[page] * page_stride + off * tok_stride + h0 * head_dim;\
+        const KV_T *k = k_base + table[page] * page_stride + off * tok_stride + h0 * head_dim;\
         if (j0 + count <= pos)                                                                 \
-            prefetch_page(k_base + table[(j0 + count) / block] * page_stride + h0 * head_dim,  \
+            KV_NAME(prefetch_page)(k_base + table[(j0 + count) / block] * page_stride + h0 * head_dim,  \
                           block, tok_stride, (h1 - h0) * head_dim);                            \
         for (int64_t qh = 0; qh < nq; qh++) {                                                  \
             const float *qg = q0 + qh * head_dim;                                              \
-            const float *kh = k + (qh / group) * head_dim;                                     \
+            const KV_T *kh = k + (qh / group) * head_dim;                                     \
             float *sq = scores + qh * n + (j0 - lo);                                           \
             if (head_dim % 16 == 0 && count <= 16) {                                           \
-                dots16(qg, kh, tok_stride, count, head_dim, scale, sq);                        \
+                KV_NAME(dots16)(qg, kh, tok_stride, count, head_dim, scale, sq);                        \
                 continue;                                                                      \
             }                                                                                  \
             for (int64_t t = 0; t < count; t++, kh += tok_stride) {                            \
                 float dot = 0.f;                                                               \
                 _Pragma("omp simd reduction(+ : dot)")                                         \
-                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kh[d];                   \
+                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * KV_NAME(ld1)(kh + d);                   \
                 sq[t] = dot * scale;                                                           \
             }                                                                                  \
         }                                                                                      \
@@ -136,20 +153,20 @@ static void NAME(const float *qrow, float *orow, const float *k_base, const floa
     for (int64_t j0 = lo; j0 <= pos;) {                                                        \
         const int64_t page = j0 / block, off = j0 % block;                                     \
         const int64_t count = (block - off) < (pos + 1 - j0) ? (block - off) : (pos + 1 - j0); \
-        const float *v = v_base + table[page] * page_stride + off * tok_stride + h0 * head_dim;\
+        const KV_T *v = v_base + table[page] * page_stride + off * tok_stride + h0 * head_dim;\
         if (j0 + count <= pos)                                                                 \
-            prefetch_page(v_base + table[(j0 + count) / block] * page_stride + h0 * head_dim,  \
+            KV_NAME(prefetch_page)(v_base + table[(j0 + count) / block] * page_stride + h0 * head_dim,  \
                           block, tok_stride, (h1 - h0) * head_dim);                            \
         for (int64_t qh = 0; qh < nq; qh++) {                                                  \
             const float *ps = scores + qh * n + (j0 - lo);                                     \
-            const float *vh = v + (qh / group) * head_dim;                                     \
+            const KV_T *vh = v + (qh / group) * head_dim;                                     \
             float *og = o0 + qh * head_dim;                                                    \
             float acc[HD ? HD : MAX_HEAD_DIM];                                                 \
             for (int64_t d = 0; d < head_dim; d++) acc[d] = og[d];                             \
             for (int64_t t = 0; t < count; t++, vh += tok_stride) {                            \
                 const float p = ps[t];                                                         \
                 _Pragma("omp simd")                                                            \
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * vh[d];                    \
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * KV_NAME(ld1)(vh + d);                    \
             }                                                                                  \
             for (int64_t d = 0; d < head_dim; d++) og[d] = acc[d];                             \
         }                                                                                      \
@@ -157,13 +174,14 @@ static void NAME(const float *qrow, float *orow, const float *k_base, const floa
     }                                                                                          \
 }
 
-ATTEND_ROW(attend_row_any, 0)
-ATTEND_ROW(attend_row_32, 32)
-ATTEND_ROW(attend_row_64, 64)
-ATTEND_ROW(attend_row_128, 128)
+ATTEND_ROW(KV_NAME(attend_row_any), 0)
+ATTEND_ROW(KV_NAME(attend_row_32), 32)
+ATTEND_ROW(KV_NAME(attend_row_64), 64)
+ATTEND_ROW(KV_NAME(attend_row_128), 128)
 
 /* Returns 0, or -2 when out of memory. */
-int paged_attention_f32(const float *q, float *out, const float *k_base, const float *v_base,
+int KV_NAME(paged_attention)(const float *q, float *out, const KV_T *k_base,
+                        const KV_T *v_base,
                         const int64_t *q_starts, const int64_t *q_ends,
                         const int64_t *context_lens,
                         const int64_t *block_tables, int64_t num_seqs, int64_t max_pages,
@@ -215,10 +233,10 @@ int paged_attention_f32(const float *q, float *out, const float *k_base, const f
                 const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
 #define CALL(F) F(q + row * row_stride, out + row * row_stride, k_base, v_base, table,        \
                   page_stride, block, kv_heads, head_dim, h0, h1, group, lo, pos, scale, scores)
-                if (head_dim == 64) CALL(attend_row_64);
-                else if (head_dim == 128) CALL(attend_row_128);
-                else if (head_dim == 32) CALL(attend_row_32);
-                else CALL(attend_row_any);
+                if (head_dim == 64) CALL(KV_NAME(attend_row_64));
+                else if (head_dim == 128) CALL(KV_NAME(attend_row_128));
+                else if (head_dim == 32) CALL(KV_NAME(attend_row_32));
+                else CALL(KV_NAME(attend_row_any));
 #undef CALL
             }
         }
@@ -227,3 +245,5 @@ int paged_attention_f32(const float *q, float *out, const float *k_base, const f
     free(items);
     return failed ? -2 : 0;
 }
+
+#endif /* KV_T */

@@ -12,7 +12,11 @@
  * is transposed into 16-key columns, so a query's 16 scores are head_dim broadcast FMAs into
  * one register; V rows are read where they lie. Items run longest first (a causal tile's work
  * grows with its position) under OpenMP's dynamic schedule.
+ *
+ * Like paged_attention.c, the second half is compiled once per pool type (float32, bfloat16):
+ * entry points paged_prefill_f32 and paged_prefill_bf16; queries and outputs are float32.
  */
+#ifndef KV_T
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,9 +29,8 @@ float expf(float);
 #define NB 4    /* 16-float score vectors of one key block */
 #define KB (16 * NB)  /* keys of one block */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+#include "kv_types.h"
+
 
 static inline v16 vmax(v16 a, v16 b) {
     const i16 gt = a > b;
@@ -64,13 +67,26 @@ static inline void exp_block(float *x, int n) {
     for (int i = 0; i < n * NB * 16; i++) x[i] = expf(x[i]);
 }
 
+#define KV_T float
+#define KV_NAME(name) name##_f32
+#include __FILE__
+#undef KV_T
+#undef KV_NAME
+#define KV_T bf16_t
+#define KV_NAME(name) name##_bf16
+#include __FILE__
+#undef KV_T
+#undef KV_NAME
+
+#else /* the part compiled once per K/V type */
+
 /* One work item. HD: head_dim (a multiple of 16) and QB: query vectors taken together (so
  * every FMA chain has enough independent accumulators to hide its latency, and each K and V
  * load feeds QB FMAs), both fixed at compile time so the loops unroll into registers. A query
  * vector's state is its running max, a vector of partial sums (summed across lanes once, at
  * the end) and its output accumulator. */
 #define PREFILL_ITEM(NAME, HD, QB)                                                              \
-static void NAME(const float *q, float *out, const float *k_base, const float *v_base,         \
+static void NAME(const float *q, float *out, const KV_T *k_base, const KV_T *v_base,           \
                  const int64_t *table, int64_t page_stride, int64_t block, int64_t kv_heads,   \
                  int64_t row_stride, int64_t group, int64_t h, int64_t first_row,              \
                  int64_t rows, int64_t first_pos, int64_t window, float scale) {               \
@@ -79,7 +95,7 @@ static void NAME(const float *q, float *out, const float *k_base, const float *v
     v16 acc[nq][NV], lsum[nq];                                                                 \
     float mx[nq];                                                                              \
     v16 kt[HD][NB]; /* the block's K, transposed: kt[d][b][t] = K[j0 + 16 b + t][d] */          \
-    const float *vrow[KB];                                                                     \
+    const KV_T *vrow[KB];                                                                       \
     float p[QB][NB * 16] __attribute__((aligned(64)));                                         \
     const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                   \
     const v16 ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,        \
@@ -99,9 +115,9 @@ static void NAME(const float *q, float *out, const float *k_base, const float *v
             const int64_t j = j0 + (t < cnt ? t : 0);                                          \
             const int64_t at = table[j / block] * page_stride + (j % block) * tok_stride       \
                                + h * HD;                                                       \
-            const float *k = k_base + at;                                                      \
+            const KV_T *k = k_base + at;                                                       \
             vrow[t] = v_base + at;                                                             \
-            for (int64_t d = 0; d < HD; d++) kt[d][t / 16][t % 16] = k[d];                     \
+            for (int64_t d = 0; d < HD; d++) kt[d][t / 16][t % 16] = KV_NAME(ld1)(k + d);     \
         }                                                                                      \
         /* rows before j0's position see none of the block */                                 \
         int64_t i_first = (j0 > first_pos ? j0 - first_pos : 0) * group;                       \
@@ -160,7 +176,7 @@ static void NAME(const float *q, float *out, const float *k_base, const float *v
             }                                                                                  \
             for (int t = 0; t < cnt; t++)                                                      \
                 for (int c = 0; c < NV; c++) {                                                 \
-                    const v16 v = *(const v16u *)(vrow[t] + 16 * c);                           \
+                    const v16 v = KV_NAME(ld16)(vrow[t] + 16 * c);                              \
                     for (int u = 0; u < QB; u++) o[u][c] += p[u][t] * v;                       \
                 }                                                                              \
             for (int u = 0; u < QB; u++)                                                       \
@@ -175,14 +191,15 @@ static void NAME(const float *q, float *out, const float *k_base, const float *v
     }                                                                                          \
 }
 
-PREFILL_ITEM(prefill_item_16, 16, 4)
-PREFILL_ITEM(prefill_item_32, 32, 4)
-PREFILL_ITEM(prefill_item_64, 64, 2)
-PREFILL_ITEM(prefill_item_128, 128, 2)
+PREFILL_ITEM(KV_NAME(prefill_item_16), 16, 4)
+PREFILL_ITEM(KV_NAME(prefill_item_32), 32, 4)
+PREFILL_ITEM(KV_NAME(prefill_item_64), 64, 2)
+PREFILL_ITEM(KV_NAME(prefill_item_128), 128, 2)
 
 /* Returns 0; -2 when out of memory; -3 for a head_dim other than 16, 32, 64, 128 or more than 16
  * query heads per KV head (the caller takes another path). */
-int paged_prefill_f32(const float *q, float *out, const float *k_base, const float *v_base,
+int KV_NAME(paged_prefill)(const float *q, float *out, const KV_T *k_base,
+                          const KV_T *v_base,
                       const int64_t *q_starts, const int64_t *q_ends,
                       const int64_t *context_lens, const int64_t *block_tables,
                       int64_t num_seqs, int64_t max_pages, int64_t page_stride, int64_t block,
@@ -217,12 +234,14 @@ int paged_prefill_f32(const float *q, float *out, const float *k_base, const flo
         const int64_t first_pos = context_lens[s] - qlen + t;
 #define CALL(F) F(q, out, k_base, v_base, block_tables + s * max_pages, page_stride, block,      \
                   kv_heads, row_stride, group, h, q_starts[s] + t, rows, first_pos, window, scale)
-        if (head_dim == 16) CALL(prefill_item_16);
-        else if (head_dim == 32) CALL(prefill_item_32);
-        else if (head_dim == 64) CALL(prefill_item_64);
-        else CALL(prefill_item_128);
+        if (head_dim == 16) CALL(KV_NAME(prefill_item_16));
+        else if (head_dim == 32) CALL(KV_NAME(prefill_item_32));
+        else if (head_dim == 64) CALL(KV_NAME(prefill_item_64));
+        else CALL(KV_NAME(prefill_item_128));
 #undef CALL
     }
     free(items);
     return 0;
 }
+
+#endif /* KV_T */
