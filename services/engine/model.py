@@ -85,6 +85,7 @@ class PagedCausalLM(nn.Module):
     scaling: float
     vocab_size: int
     max_context: int
+    fused_epilogues: bool
 
     def __init__(self, hf_model: Any, model_id: str, revision: str):
         super().__init__()
@@ -142,18 +143,28 @@ class PagedCausalLM(nn.Module):
             self._gate_up.append(gate_up)
 
     def _pack_linears(self, device: torch.device) -> None:
-        """Every GEMM of the step as a `Linear` (oneDNN with prepacked weights on CPU)."""
+        """Every GEMM of the step as a `Linear` (oneDNN with prepacked weights on CPU).
+
+        Packed, the MLP runs as two GEMMs whose epilogues do its element-wise work (gate:
+        SiLU; up: times the gate) and the o/down projections add the residual in theirs, so
+        no separate pass over the activations is left for them."""
         layers: list[Any] = list(self.layers)  # transformers' decoder layers (untyped)
         self._qkv_mm = [Linear(w, b, device) for w, b in self._qkv]
-        self._gate_up_mm = [Linear(w, None, device) for w in self._gate_up]
+        self._gate_mm = [Linear(layer.mlp.gate_proj.weight, None, device) for layer in layers]
+        self._up_mm = [Linear(layer.mlp.up_proj.weight, None, device) for layer in layers]
         self._o_mm = [Linear(layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, device)
                       for layer in layers]
         self._down_mm = [Linear(layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, device)
                          for layer in layers]
         self._lm_head_mm = Linear(self.lm_head.weight, self.lm_head.bias, device)
-        linears = (*self._qkv_mm, *self._gate_up_mm, *self._o_mm, *self._down_mm,
+        linears = (*self._qkv_mm, *self._gate_mm, *self._up_mm, *self._o_mm, *self._down_mm,
                    self._lm_head_mm)
-        if any(mm.packed is None for mm in linears):
+        self.fused_epilogues = (all(mm.packed is not None for mm in linears)
+                                and getattr(self.config, "hidden_act", "") in ("silu", "swish"))
+        self._gate_up_mm: list[Linear] = []
+        if not self.fused_epilogues:  # one gate/up GEMM, the element-wise ops after it
+            self._gate_mm, self._up_mm = [], []
+            self._gate_up_mm = [Linear(w, None, device) for w in self._gate_up]
             return
         # The step reads only the packed copies: the dense weights go (the embedding stays,
         # and with it a tied LM head's weight), so the model is held once, not twice.
@@ -201,6 +212,12 @@ class PagedCausalLM(nn.Module):
             layer_kv[batch.slot_pages, 0, batch.slot_offsets] = k
             layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
             out = self.attention(q, layer_kv, batch, lib)
+            if self.fused_epilogues:  # the same sums; the GEMMs' epilogues do the rest
+                hidden = self._o_mm[layer_idx].add(out.view(N, H * D), hidden)
+                x = _rms_norm(layer.post_attention_layernorm, hidden)
+                act = self._up_mm[layer_idx].mul(x, self._gate_mm[layer_idx].silu(x))
+                hidden = self._down_mm[layer_idx].add(act, hidden)
+                continue
             hidden = hidden + self._o_mm[layer_idx](out.view(N, H * D))
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             gate, up = self._gate_up_mm[layer_idx](x).chunk(2, dim=-1)
@@ -237,6 +254,26 @@ class Linear:
             return out
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+    # Packed only (the model uses these where every GEMM is packed): the element-wise op in
+    # oneDNN's epilogue, on the float32 accumulators, instead of a pass of its own.
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x W^T + b)."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, self.bias, "swish", [], "")
+        return out
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x W^T + b) * other."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+            x.contiguous(), other, self.packed, self.bias, "mul")
+        return out
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x W^T + b) + other: a residual added in the epilogue."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+            x.contiguous(), other, self.packed, self.bias, "add")
+        return out
 
 
 def _onednn_linear() -> bool:

@@ -25,7 +25,7 @@
 #pragma omp declare simd notinbranch
 float expf(float);
 
-#define QT 16   /* query rows of one work item */
+#define QT 32   /* query rows of one work item */
 #define NB 4    /* 16-float score vectors of one key block */
 #define KB (16 * NB)  /* keys of one block */
 
