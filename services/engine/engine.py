@@ -1,10 +1,10 @@
 """The engine: sequences in, tokens out, one `step()` at a time.
 
-A step is one forward over one token of every running sequence (continuous batching,
-whatever their lengths) and, under the step's token budget (`max_prefill_tokens`, decode
-tokens included), chunks of prompts whose KV is not in pages yet: chunked prefill rides along
-with decode (as in Sarathi and vLLM), so a long prompt costs the running sequences one chunk
-per step instead of stalling them until it is done, and a new prompt starts at the next step.
+A step is one forward over one token of every running sequence (continuous batching) and,
+under the step's token budget (`max_prefill_tokens`, decode tokens included), chunks of
+prompts whose KV is not in pages yet: chunked prefill rides along with decode (as in Sarathi
+and vLLM), so a long prompt costs the running sequences one chunk per step instead of
+stalling them until it is done, and a new prompt starts at the next step.
 Roles: `colocated` does both phases; `prefill` stops each sequence after its first token and
 keeps its pages for the handoff; `decode` admits sequences whose prompt KV was written into
 reserved pages by someone else.
@@ -35,6 +35,7 @@ from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.batch import Batch
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
+from pdserve.engine.preemption import ensure_decode_pages
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
@@ -48,7 +49,7 @@ class EngineConfig:
     block_size: int = 16
     num_pages: int = 4096
     max_num_seqs: int = 256        # running sequences in one decode batch
-    chunk_size: int = 512          # prompt tokens of one sequence per prefill step
+    chunk_size: int = 512          # prompt tokens of one sequence per step beside decodes
     max_prefill_tokens: int = 2048  # prompt tokens of all sequences per prefill step
     max_model_len: int = 0         # prompt + output tokens of one sequence (0: the model's)
     prefix_caching: bool = True    # keep full pages for reuse by later prompts
@@ -232,15 +233,20 @@ class Engine:
         sequences under the step's token budget (chunked prefill rides along with decode, so
         a long prompt never stalls the running sequences for more than a chunk per step)."""
         if self.running:
-            self._ensure_decode_pages()  # may preempt running sequences back to waiting
+            # may preempt running sequences back to waiting
+            ensure_decode_pages(self, self.config.block_size)
         decodes = list(self.running)
-        plan = self._plan_prefill(self.config.max_prefill_tokens - len(decodes))
+        # Chunks keep running sequences from stalling and let a prefill worker ship pages
+        # early; with neither reason a prompt takes the step's whole budget.
+        chunk = self.config.chunk_size if decodes or self.config.role == "prefill" \
+            else self.config.max_prefill_tokens
+        plan = self._plan_prefill(self.config.max_prefill_tokens - len(decodes), chunk)
         self.stalled = not plan and not decodes  # waiting on pages held elsewhere
         if not plan and not decodes:
             return []
         return self._run(decodes, plan)
 
-    def _plan_prefill(self, budget: int) -> list[tuple[Sequence, int]]:
+    def _plan_prefill(self, budget: int, chunk_size: int) -> list[tuple[Sequence, int]]:
         plan: list[tuple[Sequence, int]] = []
         live = len(self.running)
         for seq in self.waiting:
@@ -257,7 +263,7 @@ class Engine:
                 if not self.allocator.can_allocate(need):
                     break
                 self.allocator.allocate(seq.seq_id, need)
-            chunk = min(seq.num_tokens - seq.num_cached, self.config.chunk_size, budget)
+            chunk = min(seq.num_tokens - seq.num_cached, chunk_size, budget)
             plan.append((seq, chunk))
             budget -= chunk
             live += 1
@@ -329,39 +335,6 @@ class Engine:
                         for s, _ in plan if s.status is Status.WAITING
                         and (n := s.num_cached // self.config.block_size)]
         return outputs
-
-    def _ensure_decode_pages(self) -> None:
-        """Give every running sequence a page for its next token, preempting when out of pages."""
-        for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
-                continue  # preempted in this loop
-            if pages_for_tokens(seq.num_tokens, self.config.block_size) <= \
-                    self.allocator.num_pages_of(seq.seq_id):
-                continue
-            while not self.allocator.can_allocate(1):
-                victim = self._pick_victim()
-                if victim is None:
-                    raise OutOfPages("a single sequence needs more pages than the pool has")
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is Status.RUNNING:
-                self.allocator.allocate(seq.seq_id, 1)
-
-    def _pick_victim(self) -> Sequence | None:
-        partial = [s for s in self.waiting if self.allocator.owns(s.seq_id)]
-        if partial:
-            return partial[-1]
-        return self.running[-1] if self.running else None
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.num_preemptions += 1
-        self.allocator.free(seq.seq_id)
-        seq.num_cached = seq.num_keyed = 0
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
 
     def _append(self, seq: Sequence, token: int, ms: float, *, prefill: bool) -> StepOutput:
         seq.token_ids.append(token)

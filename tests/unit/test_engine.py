@@ -227,7 +227,7 @@ def test_half_precision_matches_transformers_in_the_same_dtype(tiny_model_dir, d
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch_dtype).eval()
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, model.vocab_size, (40,), generator=gen).tolist()
-    engine = _engine(model, num_pages=64)  # chunk_size 32: the prompt takes two prefill steps
+    engine = _engine(model, num_pages=64, max_prefill_tokens=32)  # the prompt takes two steps
     logits: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda _m, _args, out: logits.append(out[0].clone()))
     try:

@@ -1,7 +1,7 @@
 """Mixed steps: prompt chunks ride along with decode tokens in one forward, so running
-sequences keep getting a token at every step while a long prompt is chunked in; the prefill
-role packs several waiting prompts into one step under the token budget. Greedy output stays
-equal to transformers'."""
+sequences keep getting a token at every step while a long prompt is chunked in (a prompt with
+nothing running beside it takes one step); the prefill role packs several waiting prompts
+into one step under the token budget. Greedy output stays equal to transformers'."""
 
 from __future__ import annotations
 
@@ -80,6 +80,34 @@ def test_prefill_role_packs_waiting_prompts_into_one_step(models):
         for out in first + second:
             assert out.token == _reference(hf, prompts[out.seq_id], 1)[0]
             assert engine.release_prefilled(out.seq_id) > 0
+        assert engine.allocator.num_free == engine.config.num_pages
+    finally:
+        engine.close()
+
+
+def test_a_prompt_alone_takes_the_whole_budget_in_one_step(models):
+    """Chunks exist for the running sequences' sake: with none running, a co-located prompt
+    longer than chunk_size runs in one forward (up to max_prefill_tokens), and the one after
+    it, arriving while the first decodes, is chunked again."""
+    hf, model = models
+    engine = Engine(model, EngineConfig(num_pages=64, chunk_size=32, max_prefill_tokens=128),
+                    eos_token_ids=[])
+    first, second = _prompt(100, 6), _prompt(100, 7)
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    try:
+        engine.add_request("a", first, GREEDY)
+        assert [o.seq_id for o in engine.step()] == ["a"]  # 100 tokens, one step
+        engine.add_request("b", second, GREEDY)
+        steps_until_b = 0
+        while not tokens["b"]:
+            for out in engine.step():
+                tokens[out.seq_id].append(out.token or 0)
+            steps_until_b += 1
+        assert steps_until_b == 4  # 100 tokens in chunks of 32 beside a's decode
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.seq_id].append(out.token or 0)
+        assert tokens["b"] == _reference(hf, second)
         assert engine.allocator.num_free == engine.config.num_pages
     finally:
         engine.close()
