@@ -81,7 +81,7 @@ class PagedAttention:
                                       num_kv_heads=self.num_kv_heads, window=self.window or 0,
                                       scale=self.scale)
         for first, last, pages, mask in plan.chunks:
-            out[first:last] = self._chunk(q[first:last], layer_kv, pages, mask)
+            out[first:last] = self._chunk(q[first:last].to(layer_kv.dtype), layer_kv, pages, mask)
         return out.to(q.dtype)
 
     def _plan(self, batch: Batch) -> _Plan:

@@ -1,14 +1,15 @@
 """The engine's native kernels: attention over the paged pool, read in place (CPU; K/V in
 float32 or bfloat16, queries and outputs in float32).
 
-`csrc/paged_attention.c` (rows with few new tokens: decode) and `csrc/prefill_attention.c`
-(prompt chunks, flash-style causal attention) are plain C (no torch headers), built into one
-library, so the system C compiler builds it in about a second on first use; the library is
-cached under the pdserve cache directory, keyed by the sources, the compiler and the CPU's
-flags, and loaded with ctypes. It runs its OpenMP loops on torch's own OpenMP runtime (same
+`csrc/paged_attention.c` (rows with few new tokens: decode), `csrc/prefill_attention.c`
+(prompt chunks, flash-style causal attention) and `csrc/rope_store.c` (rotary embedding and
+the K/V store into pages, one pass) are plain C (no torch headers), built into one library,
+so the system C compiler builds it in about a second on first use; the library is cached
+under the pdserve cache directory, keyed by the sources, the compiler and the CPU's flags,
+and loaded with ctypes. It runs its OpenMP loops on torch's own OpenMP runtime (same
 `libgomp.so.1`, already loaded by torch), so kernels and GEMMs share one thread pool. With
-no C compiler the engine falls back to gathering pages and calling torch's SDPA (slower, same
-results), and says so once.
+no C compiler the engine falls back to gathering pages and calling torch's SDPA (slower,
+same results), and says so once.
 
 Images without a compiler (deploy/Containerfile) carry portable builds made ahead of time by
 `python -m pdserve.engine.kernels prebuild DIR`: one per x86-64 ISA level, named by the
@@ -30,7 +31,7 @@ from pdserve.common.native import build_shared, compiler, kernels_dir, prebuild_
 from pdserve.common.native import cpu_flags as _cpu_flags
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention.c", "prefill_attention.c"))
+                for name in ("paged_attention.c", "prefill_attention.c", "rope_store.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "kv_types.h",)
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # pool dtypes the kernels read
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
@@ -39,6 +40,7 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
 _PREFILL_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+_ROPE_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 5 + [ctypes.c_int]
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # what the prefill kernel is compiled for
 PREFILL_MAX_GROUP = 16  # query heads per KV head
 # Portable builds, best first: the ISA level (a -march value) and the CPU flags it needs.
@@ -122,6 +124,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"paged_attention_{kind}").restype = ctypes.c_int
         getattr(lib, f"paged_prefill_{kind}").argtypes = _PREFILL_ARGTYPES
         getattr(lib, f"paged_prefill_{kind}").restype = ctypes.c_int
+        getattr(lib, f"rope_store_{kind}").argtypes = _ROPE_ARGTYPES
+        getattr(lib, f"rope_store_{kind}").restype = ctypes.c_int
     log.info("paged attention kernel: %s", target.name)
     _lib = lib
     return lib
@@ -141,7 +145,7 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
     num_seqs, max_pages = block_tables.shape
     k_base = layer_kv[0, 0].data_ptr()
     v_base = layer_kv[0, 1].data_ptr()
-    entry = getattr(lib, f"paged_attention_{KV_DTYPES[layer_kv.dtype]}")
+    entry = getattr(gil_held(lib), f"paged_attention_{KV_DTYPES[layer_kv.dtype]}")
     with torch.profiler.record_function("paged_attention"):
         rc = entry(
             q.data_ptr(), out.data_ptr(), k_base, v_base, q_starts.data_ptr(),
@@ -150,6 +154,43 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
             q.shape[2], window, scale, max_context, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged attention kernel failed (code {rc})")
+
+
+_held: dict[str, ctypes.PyDLL] = {}
+
+
+def gil_held(lib: ctypes.CDLL) -> ctypes.PyDLL:
+    """The same library called without releasing the GIL: for calls of well under a
+    millisecond (decode attention, rope), where handing the GIL to a serving thread and
+    waiting to get it back costs more than the call (measured: 32 streams' threads made a
+    decode step 35% slower, most of it waiting for the GIL after each released call)."""
+    held = _held.get(lib._name)
+    if held is None:
+        held = _held[lib._name] = ctypes.PyDLL(lib._name)
+        for kind in KV_DTYPES.values():
+            for name, argtypes in ((f"paged_attention_{kind}", _ARGTYPES),
+                                   (f"rope_store_{kind}", _ROPE_ARGTYPES)):
+                getattr(held, name).argtypes = argtypes
+                getattr(held, name).restype = ctypes.c_int
+    return held
+
+
+def rope_store(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               layer_kv: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor, *,
+               num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate the q and k heads of `qkv` [N, (H + 2 KVH) * D] by `cos`/`sin` [N, D], write
+    k and v into their pool slots (`layer_kv`'s pages), return q [N, H, D] in float32. All of
+    qkv, cos, sin and the pool in the model's dtype (float32 or bfloat16), contiguous."""
+    n = qkv.shape[0]
+    q = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    entry = getattr(gil_held(lib), f"rope_store_{KV_DTYPES[layer_kv.dtype]}")
+    rc = entry(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+               layer_kv[0, 0].data_ptr(), layer_kv[0, 1].data_ptr(), slot_pages.data_ptr(),
+               slot_offsets.data_ptr(), n, num_heads, num_kv_heads, head_dim,
+               layer_kv.stride(0), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"rope/store kernel failed (code {rc})")
+    return q
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor,

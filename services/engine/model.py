@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.engine import kernels
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.batch import Batch
 from pdserve.engine.pool import DTYPES
@@ -199,19 +200,28 @@ class PagedCausalLM(nn.Module):
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary_emb(hidden, batch.positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D], broadcast over heads
         lib = self.attention.native(kv)
+        if lib is None:
+            cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D], broadcast over heads
+        else:
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [N, D]
         layer: Any  # transformers' decoder layer (untyped)
         for layer_idx, layer in enumerate(self.layers):
             x = _rms_norm(layer.input_layernorm, hidden)
-            qk, v = torch.split(self._qkv_mm[layer_idx](x), [(H + KVH) * D, KVH * D], dim=-1)
-            qk = qk.view(N, H + KVH, D)  # rotary on q and k heads at once
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
-            q, k = qk[:, :H].contiguous(), qk[:, H:]
+            qkv = self._qkv_mm[layer_idx](x)
             layer_kv = kv[:, layer_idx]  # [P, 2, block, kvh, hd], a view
-            layer_kv[batch.slot_pages, 0, batch.slot_offsets] = k
-            layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
-            out = self.attention(q, layer_kv, batch, lib)
+            if lib is not None:  # rotary and the K/V store in one native pass
+                q = kernels.rope_store(lib, qkv, cos, sin, layer_kv, batch.slot_pages,
+                                       batch.slot_offsets, num_heads=H, num_kv_heads=KVH,
+                                       head_dim=D)
+            else:
+                qk, v = torch.split(qkv, [(H + KVH) * D, KVH * D], dim=-1)
+                qk = qk.view(N, H + KVH, D)  # rotary on q and k heads at once
+                qk = (qk * cos) + (_rotate_half(qk) * sin)
+                q, k = qk[:, :H].contiguous(), qk[:, H:]
+                layer_kv[batch.slot_pages, 0, batch.slot_offsets] = k
+                layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
+            out = self.attention(q, layer_kv, batch, lib).to(hidden.dtype)
             if self.fused_epilogues:  # the same sums; the GEMMs' epilogues do the rest
                 hidden = self._o_mm[layer_idx].add(out.view(N, H * D), hidden)
                 x = _rms_norm(layer.post_attention_layernorm, hidden)
