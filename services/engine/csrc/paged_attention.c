@@ -161,12 +161,21 @@ static void NAME(const float *qrow, float *orow, const KV_T *k_base, const KV_T 
             const float *ps = scores + qh * n + (j0 - lo);                                     \
             const KV_T *vh = v + (qh / group) * head_dim;                                     \
             float *og = o0 + qh * head_dim;                                                    \
-            float acc[HD ? HD : MAX_HEAD_DIM];                                                 \
+            if (HD) { /* the output row in registers, V rows as whole vectors */              \
+                v16 acc[HD ? HD / 16 : 1];                                                     \
+                for (int c = 0; c < HD / 16; c++) acc[c] = *(v16u *)(og + 16 * c);            \
+                for (int64_t t = 0; t < count; t++, vh += tok_stride)                          \
+                    for (int c = 0; c < HD / 16; c++)                                          \
+                        acc[c] += ps[t] * KV_NAME(ld16)(vh + 16 * c);                          \
+                for (int c = 0; c < HD / 16; c++) *(v16u *)(og + 16 * c) = acc[c];            \
+                continue;                                                                      \
+            }                                                                                  \
+            float acc[MAX_HEAD_DIM];                                                           \
             for (int64_t d = 0; d < head_dim; d++) acc[d] = og[d];                             \
             for (int64_t t = 0; t < count; t++, vh += tok_stride) {                            \
                 const float p = ps[t];                                                         \
                 _Pragma("omp simd")                                                            \
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * KV_NAME(ld1)(vh + d);                    \
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * KV_NAME(ld1)(vh + d);    \
             }                                                                                  \
             for (int64_t d = 0; d < head_dim; d++) og[d] = acc[d];                             \
         }                                                                                      \
