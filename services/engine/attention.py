@@ -65,12 +65,14 @@ class PagedAttention:
         return kernels.library()
 
     def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, batch: Batch,
-                 lib: ctypes.CDLL | None) -> torch.Tensor:
+                 lib: ctypes.CDLL | None, rows: int = 0) -> torch.Tensor:
+        """[max(rows, N), H, D]: rows past the batch's N tokens are left unwritten (the
+        model's padded GEMM rows)."""
         if lib is None:
             return self._gathered(q, layer_kv, batch)
         plan = self._plan(batch)
         q32 = q.float()  # the kernels take float32 queries (a no-op for a float32 model)
-        out = torch.empty_like(q32)
+        out = torch.empty(max(rows, q.shape[0]), *q.shape[1:], dtype=torch.float32)
         if plan.kernel is not None:
             starts, ends, context, tables, max_context = plan.kernel
             kernels.paged_attention(lib, q32, out, layer_kv, starts, ends, context, tables,
