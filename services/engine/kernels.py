@@ -32,7 +32,8 @@ from pdserve.common.native import cpu_flags as _cpu_flags
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention.c", "prefill_attention.c", "rope_store.c"))
-HEADERS = (Path(__file__).with_name("csrc") / "kv_types.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("kv_types.h", "kv_instantiate.h"))
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # pool dtypes the kernels read
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 log = logging.getLogger("pdserve.engine.kernels")

@@ -27,4 +27,13 @@ static inline v16 ld16_bf16(const bf16_t *p) {
     return (v16)wide;
 }
 
+/* float32 -> bfloat16, rounded to nearest even (NaN stays NaN). */
+static inline bf16_t to_bf16(float x) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
+
 #endif

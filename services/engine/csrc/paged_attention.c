@@ -17,9 +17,9 @@
  * page's contiguous bytes; the query heads that share a KV head use each K/V row while it is
  * in registers. Scores are an exact two-pass softmax (max, exp, sum), as the reference math.
  *
- * The pool holds float32 or bfloat16 K/V: this file's second half is compiled once per type
- * (it includes itself), reading K/V through `ld1`/`ld16`, which widen bf16 to float32;
- * queries, scores and outputs are float32 either way. Entry points: paged_attention_f32 and
+ * The pool holds float32 or bfloat16 K/V: this file's second half is compiled once per
+ * type (kv_instantiate.h includes it twice), reading K/V through `ld1`/`ld16`, which widen
+ * bf16 to float32; queries, scores and outputs are float32 either way. Entry points: paged_attention_f32 and
  * paged_attention_bf16.
  */
 #ifndef KV_T
@@ -61,16 +61,7 @@ static inline v16 sum16(v16 *a) {
 }
 
 
-#define KV_T float
-#define KV_NAME(name) name##_f32
-#include __FILE__
-#undef KV_T
-#undef KV_NAME
-#define KV_T bf16_t
-#define KV_NAME(name) name##_bf16
-#include __FILE__
-#undef KV_T
-#undef KV_NAME
+#include "kv_instantiate.h"
 
 #else /* the part compiled once per K/V type */
 /* scores[t] = scale * q . k_t for `count` <= 16 keys k_t = k + t * tok_stride; head_dim a

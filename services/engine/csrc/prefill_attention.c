@@ -13,7 +13,8 @@
  * one register; V rows are read where they lie. Items run longest first (a causal tile's work
  * grows with its position) under OpenMP's dynamic schedule.
  *
- * Like paged_attention.c, the second half is compiled once per pool type (float32, bfloat16):
+ * Like paged_attention.c, the second half is compiled once per pool type (float32, bfloat16;
+ * kv_instantiate.h):
  * entry points paged_prefill_f32 and paged_prefill_bf16; queries and outputs are float32.
  */
 #ifndef KV_T
@@ -67,16 +68,7 @@ static inline void exp_block(float *x, int n) {
     for (int i = 0; i < n * NB * 16; i++) x[i] = expf(x[i]);
 }
 
-#define KV_T float
-#define KV_NAME(name) name##_f32
-#include __FILE__
-#undef KV_T
-#undef KV_NAME
-#define KV_T bf16_t
-#define KV_NAME(name) name##_bf16
-#include __FILE__
-#undef KV_T
-#undef KV_NAME
+#include "kv_instantiate.h"
 
 #else /* the part compiled once per K/V type */
 

@@ -16,28 +16,7 @@
 #ifndef KV_T
 #include "kv_types.h"
 
-static inline bf16_t to_bf16(float x) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((bits >> 16) | 0x40);  /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (bf16_t)(bits >> 16);
-}
-
-#define KV_T float
-#define KV_NAME(name) name##_f32
-#define KV_STORE(x) (x)
-#include __FILE__
-#undef KV_T
-#undef KV_NAME
-#undef KV_STORE
-#define KV_T bf16_t
-#define KV_NAME(name) name##_bf16
-#define KV_STORE(x) to_bf16(x)
-#include __FILE__
-#undef KV_T
-#undef KV_NAME
-#undef KV_STORE
+#include "kv_instantiate.h"
 
 #else /* compiled once per model dtype */
 
