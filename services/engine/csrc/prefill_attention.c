@@ -62,10 +62,26 @@ static inline float hsum16(v16 x) {
     return x[0];
 }
 
-/* e^x of n * NB * 16 floats in place (glibc's vector expf). */
-static inline void exp_block(float *x, int n) {
-#pragma omp simd
-    for (int i = 0; i < n * NB * 16; i++) x[i] = expf(x[i]);
+/* e^x for x <= 0 (scores minus their running max), inline: no call, so the accumulators stay
+ * in registers. Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial for e^r
+ * (about 1 ulp), 2^n through the exponent bits. x below -87 (and -inf, a masked key) gives
+ * e^-87 ~ 1.6e-38: nothing next to the block's largest term, 1. */
+static inline v16 exp_le0(v16 x) {
+    const v16 zero = {0};
+    const v16 lowest = zero - 87.0f;
+    x = vmax(x, lowest);
+    const v16 magic = zero + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const v16 y = p * r * r + r + 1.0f;
+    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    return y * (v16)bits;
 }
 
 #include "kv_instantiate.h"
@@ -153,9 +169,9 @@ static void NAME(const float *q, float *out, const KV_T *k_base, const KV_T *v_b
                     lsum[i] *= alpha;                                                          \
                     for (int c = 0; c < NV; c++) acc[i][c] *= alpha;                           \
                 }                                                                              \
-                for (int b = 0; b < NB; b++) *(v16 *)(p[u] + 16 * b) = s[u][b] - mx[i];        \
+                for (int b = 0; b < NB; b++)                                                   \
+                    *(v16 *)(p[u] + 16 * b) = exp_le0(s[u][b] - mx[i]);                        \
             }                                                                                  \
-            exp_block(&p[0][0], QB);                                                           \
             v16 o[QB][NV];                                                                     \
             for (int u = 0; u < QB; u++) {                                                     \
                 if (!live[u]) { /* contributes nothing: p = 0, and no state to read */         \
