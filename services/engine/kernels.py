@@ -161,10 +161,11 @@ _held: dict[str, ctypes.PyDLL] = {}
 
 
 def gil_held(lib: ctypes.CDLL) -> ctypes.PyDLL:
-    """The same library called without releasing the GIL: for calls of well under a
-    millisecond (decode attention, rope), where handing the GIL to a serving thread and
-    waiting to get it back costs more than the call (measured: 32 streams' threads made a
-    decode step 35% slower, most of it waiting for the GIL after each released call)."""
+    """The same library called without releasing the GIL: for the step's short calls (decode
+    attention, rope; about 0.1-2 ms on the benchmark shapes), where handing the GIL to a
+    serving thread and waiting to get it back costs more than the call (measured: 32
+    streams' threads made a decode step 35% slower, most of it waiting for the GIL after
+    each released call). Prompt-chunk attention, which can run for tens of ms, releases it."""
     held = _held.get(lib._name)
     if held is None:
         held = _held[lib._name] = ctypes.PyDLL(lib._name)
