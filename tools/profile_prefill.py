@@ -23,18 +23,16 @@ import torch
 
 
 def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 10) -> float:
-    """oneDNN with a prepacked weight, as the engine's linears run."""
-    w, x = torch.randn(n, k).to(dtype), torch.randn(m, k).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    """The engine's own linear (oneDNN with a prepacked weight on CPU) at [m, k] x [k, n]."""
+    from pdserve.engine.model import Linear
 
-    def run() -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
+    linear = Linear(torch.randn(n, k).to(dtype), None, torch.device("cpu"))
+    x = torch.randn(m, k).to(dtype)
     for _ in range(3):
-        run()
+        linear(x)
     start = time.perf_counter()
     for _ in range(reps):
-        run()
+        linear(x)
     return 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9
 
 

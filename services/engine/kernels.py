@@ -39,9 +39,12 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-
 log = logging.getLogger("pdserve.engine.kernels")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
-_PREFILL_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
-_ROPE_ARGTYPES: list[Any] = [_PTR] * 8 + [_I64] * 5 + [ctypes.c_int]
+# Each entry point's arguments (one function per pool dtype: `name_f32`, `name_bf16`).
+_ARGTYPES: dict[str, list[Any]] = {
+    "paged_attention": [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int],
+    "paged_prefill": [_PTR] * 8 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int],
+    "rope_store": [_PTR] * 8 + [_I64] * 5 + [ctypes.c_int],
+}
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # what the prefill kernel is compiled for
 PREFILL_MAX_GROUP = 16  # query heads per KV head
 # Portable builds, best first: the ISA level (a -march value) and the CPU flags it needs.
@@ -120,13 +123,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("paged attention kernel unavailable (%s): falling back to gather + SDPA",
                     detail)
         return None
-    for kind in KV_DTYPES.values():
-        getattr(lib, f"paged_attention_{kind}").argtypes = _ARGTYPES
-        getattr(lib, f"paged_attention_{kind}").restype = ctypes.c_int
-        getattr(lib, f"paged_prefill_{kind}").argtypes = _PREFILL_ARGTYPES
-        getattr(lib, f"paged_prefill_{kind}").restype = ctypes.c_int
-        getattr(lib, f"rope_store_{kind}").argtypes = _ROPE_ARGTYPES
-        getattr(lib, f"rope_store_{kind}").restype = ctypes.c_int
+    _declare(lib, ("paged_prefill",))  # the others are called through gil_held(lib)
     log.info("paged attention kernel: %s", target.name)
     _lib = lib
     return lib
@@ -160,6 +157,13 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, layer_
 _held: dict[str, ctypes.PyDLL] = {}
 
 
+def _declare(dll: ctypes.CDLL, names: tuple[str, ...]) -> None:
+    for name in names:
+        for kind in KV_DTYPES.values():
+            entry = getattr(dll, f"{name}_{kind}")
+            entry.argtypes, entry.restype = _ARGTYPES[name], ctypes.c_int
+
+
 def gil_held(lib: ctypes.CDLL) -> ctypes.PyDLL:
     """The same library called without releasing the GIL: for the step's short calls (decode
     attention, rope; about 0.1-2 ms on the benchmark shapes), where handing the GIL to a
@@ -169,11 +173,7 @@ def gil_held(lib: ctypes.CDLL) -> ctypes.PyDLL:
     held = _held.get(lib._name)
     if held is None:
         held = _held[lib._name] = ctypes.PyDLL(lib._name)
-        for kind in KV_DTYPES.values():
-            for name, argtypes in ((f"paged_attention_{kind}", _ARGTYPES),
-                                   (f"rope_store_{kind}", _ROPE_ARGTYPES)):
-                getattr(held, name).argtypes = argtypes
-                getattr(held, name).restype = ctypes.c_int
+        _declare(held, ("paged_attention", "rope_store"))
     return held
 
 

@@ -4,8 +4,10 @@ Weights are loaded by transformers' own `from_pretrained` (safetensors, sharding
 embeddings); the forward pass is ours, so K and V go straight into pool pages and attention
 reads them back through block tables. One forward serves prefill (many query tokens per
 sequence, chunked) and decode (one query token per sequence), both in one batch: new tokens
-are packed back to back (no padding) through fused q/k/v and gate/up GEMMs, and attention reads
-the pages in place (`attention.py`); the LM head runs on each sequence's last token only.
+are packed back to back through one q/k/v GEMM per layer and an MLP whose element-wise work
+runs in its GEMMs' epilogues (one gate/up GEMM where the GEMMs are not oneDNN's), and
+attention reads the pages in place (`attention.py`); the LM head runs on each sequence's last
+token only.
 """
 
 from __future__ import annotations
@@ -122,16 +124,15 @@ class PagedCausalLM(nn.Module):
                                  self.num_kv_heads, self.head_dim, block_size)
 
     def _fuse_projections(self) -> None:
-        """One q/k/v GEMM and one gate/up GEMM per layer (2 instead of 5).
+        """One q/k/v GEMM per layer (1 instead of 3).
 
-        The fused weights are concatenated once; each original projection's weight becomes a
-        view into them, so the model holds every weight once.
+        The fused weight is concatenated once; each original projection's weight becomes a
+        view into it, so the model holds every weight once.
         """
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._gate_up: list[torch.Tensor] = []
         layer: Any
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             projs = (attn.q_proj, attn.k_proj, attn.v_proj)
             weight = torch.cat([p.weight for p in projs])
             bias = None
@@ -139,9 +140,6 @@ class PagedCausalLM(nn.Module):
                 bias = torch.cat([p.bias for p in projs])
             self._rebind(projs, weight, bias)
             self._qkv.append((weight, bias))
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self._rebind((mlp.gate_proj, mlp.up_proj), gate_up, None)
-            self._gate_up.append(gate_up)
 
     def _pack_linears(self, device: torch.device) -> None:
         """Every GEMM of the step as a `Linear` (oneDNN with prepacked weights on CPU).
@@ -165,7 +163,11 @@ class PagedCausalLM(nn.Module):
         self._gate_up_mm: list[Linear] = []
         if not self.fused_epilogues:  # one gate/up GEMM, the element-wise ops after it
             self._gate_mm, self._up_mm = [], []
-            self._gate_up_mm = [Linear(w, None, device) for w in self._gate_up]
+            for layer in layers:
+                projs = (layer.mlp.gate_proj, layer.mlp.up_proj)
+                gate_up = torch.cat([p.weight for p in projs])
+                self._rebind(projs, gate_up, None)  # held once: the projections are views
+                self._gate_up_mm.append(Linear(gate_up, None, device))
             return
         # The step reads only the packed copies: the dense weights go (the embedding stays,
         # and with it a tied LM head's weight), so the model is held once, not twice.
@@ -177,7 +179,7 @@ class PagedCausalLM(nn.Module):
                 proj.weight = empty
         if self.lm_head.weight is not self.embed_tokens.weight:
             self.lm_head.weight = empty
-        self._qkv, self._gate_up = [], []
+        self._qkv = []
         for mm in linears:
             mm.weight = None
 

@@ -23,9 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#pragma omp declare simd notinbranch
-float expf(float);
-
 #define QT 32   /* query rows of one work item */
 #define NB 4    /* 16-float score vectors of one key block */
 #define KB (16 * NB)  /* keys of one block */
@@ -206,13 +203,12 @@ PREFILL_ITEM(KV_NAME(prefill_item_128), 128, 2)
 
 /* Returns 0; -2 when out of memory; -3 for a head_dim other than 16, 32, 64, 128 or more than 16
  * query heads per KV head (the caller takes another path). */
-int KV_NAME(paged_prefill)(const float *q, float *out, const KV_T *k_base,
-                          const KV_T *v_base,
-                      const int64_t *q_starts, const int64_t *q_ends,
-                      const int64_t *context_lens, const int64_t *block_tables,
-                      int64_t num_seqs, int64_t max_pages, int64_t page_stride, int64_t block,
-                      int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t window,
-                      float scale, int num_threads) {
+int KV_NAME(paged_prefill)(const float *q, float *out, const KV_T *k_base, const KV_T *v_base,
+                           const int64_t *q_starts, const int64_t *q_ends,
+                           const int64_t *context_lens, const int64_t *block_tables,
+                           int64_t num_seqs, int64_t max_pages, int64_t page_stride,
+                           int64_t block, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t window, float scale, int num_threads) {
     const int64_t group = num_heads / kv_heads;
     if ((head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128) || group > 16)
         return -3;
