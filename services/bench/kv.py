@@ -25,12 +25,14 @@ import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from pdserve.bench import netns
 from pdserve.bench.kv_baselines import BoundSamples
 from pdserve.bench.kv_report import Row, report, rows
 from pdserve.bench.kv_rig import NetnsPlacement, Placement, Worker
+from pdserve.certs import create as create_certs
 from pdserve.common.layout import DTYPE_BYTES, LayoutFingerprint, pages_for_tokens
 from pdserve.common.shm import SharedSegment
 
@@ -46,8 +48,17 @@ AGENT_FLAGS = {  # transport -> the agents' flags
     "shm": ("--transport", "tcp"),  # the same-host copy: the network transport is not used
     "ucx": ("--transport", "ucx", "--no-same-host-copy"),
     "tcp": ("--transport", "tcp", "--no-same-host-copy"),
+    # TCP under mutual TLS (certificates made for the run, `tls_flags`): its cost against tcp
+    "tcp-tls": ("--transport", "tcp", "--no-same-host-copy"),
     "local": ("--transport", "ucx"),  # both pools on one agent
 }
+
+
+def tls_flags(directory: str, hosts: list[str]) -> tuple[str, ...]:
+    """Mutual TLS for an agent: a throwaway CA and certificates for `hosts` in `directory`."""
+    certs = create_certs(Path(directory), hosts)
+    return ("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+            "--tls-ca", str(certs.ca))
 
 
 def _handoff(pair: AgentPair, ticket_no: int, pages: list[int], dst_pages: list[int],
@@ -58,7 +69,7 @@ def _handoff(pair: AgentPair, ticket_no: int, pages: list[int], dst_pages: list[
     pair.receiver.expect(request_id, dst_pages)
     started = time.perf_counter()
     report = pair.sender.send(request_id, pages, pair.receiver.destination(dst_pages, fp))
-    if report.transport != pair.transport:
+    if report.transport != pair.transport.removesuffix("-tls"):
         raise RuntimeError(f"the {pair.transport} pair moved pages over {report.transport}")
     return report.handoff_ms, (time.perf_counter() - started) * 1e3, report.num_runs
 
@@ -73,13 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", default="16,64,256,1024,4096,8192",
                    help="prompt lengths in tokens, comma-separated")
     p.add_argument("--transports", default="shm,ucx,tcp",
-                   help="shm, ucx, tcp, local; comma-separated")
+                   help="shm, ucx, tcp, tcp-tls (tcp under mutual TLS), local; comma-separated")
     p.add_argument("--reps", type=int, default=9, help="measured repetitions (median reported)")
     p.add_argument("--fragmented", action="store_true",
                    help="scatter destination pages (many runs) instead of one contiguous run")
     p.add_argument("--netns", action="store_true",
                    help="agents in two network namespaces joined by a veth (root): ucx and tcp "
-                        "across that link, next to raw TCP on it")
+                        "(default; tcp-tls too when named) across that link, next to raw TCP "
+                        "on it")
     p.add_argument("--in-netns", help=argparse.SUPPRESS)  # the run inside namespace a
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -110,9 +122,13 @@ def run(args: argparse.Namespace, placement: Placement) -> list[Row]:
         dst[:] = 0
         pairs = []
         for transport in args.transports:
-            sender_agent = stack.enter_context(placement.sender(AGENT_FLAGS[transport]))
+            flags = AGENT_FLAGS[transport]
+            if transport.endswith("-tls"):
+                certs = stack.enter_context(tempfile.TemporaryDirectory(prefix="pdkv-tls-"))
+                flags += tls_flags(certs, placement.hosts)
+            sender_agent = stack.enter_context(placement.sender(flags))
             receiver_agent = sender_agent if transport == "local" else \
-                stack.enter_context(placement.receiver(AGENT_FLAGS[transport]))
+                stack.enter_context(placement.receiver(flags))
             sender = Worker(sender_agent, "bench-prefill", src_seg, max_pages, fp)
             stack.callback(sender.close)
             receiver = Worker(receiver_agent, "bench-decode", dst_seg, max_pages, fp)

@@ -31,6 +31,7 @@ from pdserve.common.handoff import (
     report_from_json,
 )
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.security import ChannelSecurity
 from pdserve.common.shm import SharedSegment
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -62,7 +63,7 @@ def agent(flags: Sequence[str], *, prefix: Sequence[str] = (), host: str = "127.
                             env={**os.environ, **(env or {})}, start_new_session=True)
     address = f"{host}:{port}"
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address, flags) as channel:
             _wait_serving(channel, proc, address)
             info = kvtransfer_pb2_grpc.KVTransferStub(channel).GetAgentInfo(
                 kvtransfer_pb2.GetAgentInfoRequest(), timeout=30)
@@ -74,6 +75,15 @@ def agent(flags: Sequence[str], *, prefix: Sequence[str] = (), host: str = "127.
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _channel(address: str, flags: Sequence[str]) -> grpc.Channel:
+    """A channel to the agent: over mutual TLS with its own certificate when it has one."""
+    if "--tls-ca" not in flags:
+        return grpc.insecure_channel(address)
+    arg = {name: flags[flags.index(name) + 1] for name in ("--tls-ca", "--tls-cert", "--tls-key")}
+    security = ChannelSecurity(ca=arg["--tls-ca"], cert=arg["--tls-cert"], key=arg["--tls-key"])
+    return grpc.secure_channel(address, security.credentials(), security.options())
 
 
 def _wait_serving(channel: grpc.Channel, proc: subprocess.Popen[bytes], address: str) -> None:
@@ -140,6 +150,7 @@ class Placement:
     """Where the bench's two agents and the raw TCP receiver run: all on this host."""
 
     note = "two agents on this host, raw TCP over loopback"
+    hosts = ["127.0.0.1"]  # the agents' addresses (their certificates name them)
 
     def sender(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
         return agent(flags)
@@ -159,6 +170,7 @@ class NetnsPlacement(Placement):
         self.link = link
         self.note = (f"two network namespaces joined by a veth ({link.ip_a} -> {link.ip_b}), "
                      "the same-host copy off, raw TCP over the same link")
+        self.hosts = [link.ip_a, link.ip_b]
         self._dir = socket_dir
         self._count = 0
 

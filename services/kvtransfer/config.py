@@ -21,6 +21,11 @@ class AgentConfig(ServerConfig):
     advertise_host: str = option("127.0.0.1", "host peers use to reach this agent's data port")
     transport: str = option("ucx", "data path between agents", choices=TRANSPORTS)
     data_port: int = option(0, "TCP data listener port, --transport tcp (0 = any free port)")
+    tcp_write_kb: int = option(512, "--transport tcp: bytes of one socket write (KiB); a whole "
+                                    "run in one write leaves ACKs waiting and the link half "
+                                    "used")
+    tcp_buffer_mb: float = option(0.0, "--transport tcp: send and receive buffers of each data "
+                                       "connection (MiB; 0: the kernel's autotuning)")
     agent_id: str = option("", "this agent's name in logs and errors (default: the host name)")
     ucx_error_handling: bool = option(False, "UCX peer-error handling: survives a peer dying "
                                              "mid-copy, but disables shared memory and CMA "
@@ -42,6 +47,10 @@ class AgentConfig(ServerConfig):
         super().__post_init__()
         require(self.transport in TRANSPORTS, "transport", self.transport, " or ".join(TRANSPORTS))
         require(0 <= self.data_port <= 65535, "data_port", self.data_port, "0..65535")
+        require(4 <= self.tcp_write_kb <= 1 << 20, "tcp_write_kb", self.tcp_write_kb,
+                "4..1048576")
+        require(0 <= self.tcp_buffer_mb <= 1024, "tcp_buffer_mb", self.tcp_buffer_mb,
+                "0..1024 (0: autotuned)")
         require(bool(self.advertise_host) and self.advertise_host not in ("0.0.0.0", "::"),
                 "advertise_host", self.advertise_host, "an address peers can connect to")
         require(not self.local_socket.startswith("@") or len(self.local_socket) > 1,

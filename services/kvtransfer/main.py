@@ -36,7 +36,9 @@ def make_transport(cfg: AgentConfig) -> Transport:
         return TcpTransport(cfg.host, cfg.data_port, cfg.advertise_host,
                             server_tls=ssl_server_context(cfg),
                             client_tls=security.ssl_client_context() if security else None,
-                            tls_server_name=cfg.tls_server_name)
+                            tls_server_name=cfg.tls_server_name,
+                            buffer_bytes=int(cfg.tcp_buffer_mb * (1 << 20)),
+                            write_bytes=cfg.tcp_write_kb << 10)
     from pdserve.kvtransfer.ucx import UcxTransport
     return UcxTransport(error_handling=cfg.ucx_error_handling)
 

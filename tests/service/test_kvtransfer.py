@@ -150,12 +150,15 @@ def no_segments_left_behind() -> Iterator[None]:
 @pytest.fixture(scope="module", params=["shm", "lane", "ucx", "tcp"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     transport, lane = ("shm", True) if request.param == "lane" else (request.param, False)
-    # The TCP agents take their transport (and the same-host copy, off) from environment twins.
+    # The TCP agents take their transport (and the same-host copy, off) from environment twins,
+    # with 4 KiB writes (a page run crosses many) and fixed 1 MiB socket buffers.
     extra, env = {
         "shm": (("--transport", "tcp"), None),
         "ucx": (("--transport", "ucx", "--no-same-host-copy"), None),
         "tcp": ((), {"PDSERVE_KVTRANSFER_TRANSPORT": "tcp",
-                     "PDSERVE_KVTRANSFER_SAME_HOST_COPY": "false"}),
+                     "PDSERVE_KVTRANSFER_SAME_HOST_COPY": "false",
+                     "PDSERVE_KVTRANSFER_TCP_WRITE_KB": "4",
+                     "PDSERVE_KVTRANSFER_TCP_BUFFER_MB": "1"}),
     }[transport]
     with agent(free_port(), *extra, env=env) as sender, \
             agent(free_port(), *extra, env=env) as receiver:
