@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pdserve.bench.kv_baselines import COPIES, VARIANTS, BoundSamples, RawTcp
-from pdserve.bench.kv_report import MIB, Row, bound_checks, report, targets
+from pdserve.bench.kv_report import MIB, Row, bound_checks, cross_host_targets, report, targets
 
 pytestmark = pytest.mark.unit
 
 
 def row(transport: str, gb_s: float, *, raw: float = 2.0, memcpy: float = 10.0,
         tokens: int = 1024, pages: int = 64, kv_bytes: int = 24 * MIB) -> Row:
-    bound = "raw TCP" if transport == "tcp" else "memcpy"
+    bound = "raw TCP" if transport.startswith("tcp") else "memcpy"
     return Row(transport, tokens, pages, kv_bytes, 1, kv_bytes / gb_s / 1e6, 1.0, gb_s, raw,
                "auto/all", memcpy, gb_s / raw, gb_s / memcpy, bound,
                gb_s / (raw if bound == "raw TCP" else memcpy), gb_s, raw, memcpy)
@@ -37,6 +37,13 @@ def test_targets_name_the_ratio_and_the_verdict() -> None:
     assert "BELOW" in targets([row("shm", 7.0)])[0]
     table = report([row("tcp", 1.0)])
     assert "vs memcpy" in table and "bounds hold" in table
+
+
+def test_tls_is_stated_against_plain_tcp_and_not_held_to_the_link_target() -> None:
+    lines = cross_host_targets([row("tcp", 1.9, raw=2.0), row("tcp-tls", 0.95, raw=2.0)])
+    assert lines == [
+        "target cross-host >= 16 MiB: tcp >= 0.90x raw TCP on the link at 1024 tokens: 0.95x ok",
+        "TLS on the TCP path at 1024 tokens: 0.95 GB/s = 0.50x plain tcp (1.90 GB/s)"]
 
 
 def test_raw_tcp_baseline_moves_the_bytes() -> None:
