@@ -32,7 +32,7 @@ from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 
 MAGIC = b"PDKV"
-VERSION = 2  # 1: JSON body
+VERSION = 3  # 1: JSON body; 2: TCP waited for "ready" before every handoff's bytes
 _PREFIX = struct.Struct("<4sBxxxII")  # magic, version, body bytes, number of runs
 # xfer_id, ticket epoch, destination agent epoch, page_bytes, timeout_ms, then the byte
 # lengths of: request_id, dst_pool_id, fingerprint (JSON), traceparent, sender, reply_to, grant
