@@ -455,6 +455,8 @@ def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(path: st
     (["--port", "70000"], {}, "port=70000"),
     ([], {"PDSERVE_KVTRANSFER_DATA_PORT": "-1"}, "data_port=-1"),
     (["--advertise-host", "0.0.0.0"], {}, "advertise_host"),
+    (["--tcp-write-kb", "0"], {}, "tcp_write_kb=0"),
+    ([], {"PDSERVE_KVTRANSFER_TCP_BUFFER_MB": "-1"}, "tcp_buffer_mb=-1"),
 ])
 def test_bad_configuration_exits_with_a_clear_message(argv: list[str], env: dict[str, str],
                                                        message: str) -> None:
