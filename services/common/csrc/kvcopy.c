@@ -127,6 +127,7 @@ int pdserve_stream_copy(void *dst, const void *src, size_t n) {
 #define KV_FP_MAX 1024
 #define KV_SPANS_MAX 16
 #define KV_PREFIX 16   /* magic, version, 3 pad, body bytes, runs (wire.py _PREFIX) */
+#define KV_VERSION 3   /* wire.py VERSION */
 #define KV_FIXED 68    /* xfer_id, ticket epoch, agent epoch, page_bytes, timeout, 7 lengths */
 
 enum { KV_ABSENT = 0, KV_ARMED = 1, KV_WRITING = 2, KV_DONE = 3, KV_ABORTED = 4 };
@@ -340,7 +341,7 @@ int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
     return KV_DECLINED;
 #endif
-    if (hdr_len < KV_PREFIX + KV_FIXED || memcmp(hdr, "PDKV", 4) != 0 || hdr[4] != 2)
+    if (hdr_len < KV_PREFIX + KV_FIXED || memcmp(hdr, "PDKV", 4) != 0 || hdr[4] != KV_VERSION)
         return KV_DECLINED;
     uint64_t body_len = kv_u32(hdr + 8), num_runs = kv_u32(hdr + 12);
     if (body_len < KV_FIXED || num_runs != nruns || num_runs == 0 || num_runs > KV_SPANS_MAX ||
