@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ AGENT_FLAGS = {  # transport -> the agents' flags
 }
 
 
-def tls_flags(directory: str, hosts: list[str]) -> tuple[str, ...]:
+def tls_flags(directory: str, hosts: Sequence[str]) -> tuple[str, ...]:
     """Mutual TLS for an agent: a throwaway CA and certificates for `hosts` in `directory`."""
     certs = create_certs(Path(directory), hosts)
     return ("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),

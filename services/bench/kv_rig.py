@@ -150,7 +150,7 @@ class Placement:
     """Where the bench's two agents and the raw TCP receiver run: all on this host."""
 
     note = "two agents on this host, raw TCP over loopback"
-    hosts = ["127.0.0.1"]  # the agents' addresses (their certificates name them)
+    hosts: tuple[str, ...] = ("127.0.0.1",)  # the agents' addresses (certificates name them)
 
     def sender(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
         return agent(flags)
@@ -170,7 +170,7 @@ class NetnsPlacement(Placement):
         self.link = link
         self.note = (f"two network namespaces joined by a veth ({link.ip_a} -> {link.ip_b}), "
                      "the same-host copy off, raw TCP over the same link")
-        self.hosts = [link.ip_a, link.ip_b]
+        self.hosts = (link.ip_a, link.ip_b)
         self._dir = socket_dir
         self._count = 0
 

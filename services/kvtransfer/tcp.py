@@ -2,12 +2,12 @@
 
 Each agent listens on its data port; a sender keeps a few idle connections per peer and runs
 one handoff at a time per connection: header -> reply -> the runs' bytes back to back -> reply.
+Runs go out with `send` from pool views and land with `recv_into` into the destination views:
+no buffer between the socket and either pool.
 A handoff of at most EAGER_BYTES sends its bytes right behind the header, without waiting for
 the "ready" reply: one round trip and two wake-ups less on the latency that matters (a short
 prompt's pages); a receiver that refuses it answers the refusal instead of "done" at once and
 then reads the bytes into a scratch buffer, so the stream stays in step.
-Runs go out with `send` from pool views and land with `recv_into` into the destination views:
-no buffer between the socket and either pool.
 A receiver whose ticket is cancelled mid-handoff stops writing at once and reads the rest of
 the bytes into a scratch buffer, so the stream stays in step and the sender learns why.
 
@@ -139,8 +139,7 @@ class TcpTransport(Transport):
             try:
                 _send_all(conn, header.encode(), deadline, liveness)
                 if eager:  # the bytes right behind the header; the one reply says how it went
-                    for view in src_views:
-                        _send_all(conn, view, deadline, liveness, self._write_bytes)
+                    self._send_runs(conn, src_views, deadline, liveness)
                 ready = None if eager else _read_reply(conn, deadline, liveness)
             except (OSError, _Closed) as exc:
                 # no reply yet: nothing was acknowledged (typically an idle connection the
@@ -153,8 +152,7 @@ class TcpTransport(Transport):
                 reusable = False
             try:
                 if not eager:
-                    for view in src_views:
-                        _send_all(conn, view, deadline, liveness, self._write_bytes)
+                    self._send_runs(conn, src_views, deadline, liveness)
                 done = _read_reply(conn, deadline, liveness)
             except (OSError, _Closed) as exc:
                 # eager: still no reply at all, as above (a retry rewrites the same bytes; a
@@ -165,6 +163,11 @@ class TcpTransport(Transport):
             done.raise_if_error()
         finally:
             self._checkin(peer.tcp_address, conn, reusable)
+
+    def _send_runs(self, conn: socket.socket, src_views: Sequence[np.ndarray], deadline: float,
+                   liveness: Liveness | None) -> None:
+        for view in src_views:
+            _send_all(conn, view, deadline, liveness, self._write_bytes)
 
     def _checkout(self, address: str, deadline: float) -> socket.socket:
         with self._lock:
