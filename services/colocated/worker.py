@@ -26,6 +26,7 @@ from pdserve.worker.streams import first_output, token_events
 from pdserve.worker.types import (
     DecodeEvent,
     DecodeRequest,
+    PrefillHere,
     PrefillRequest,
     PrefillResult,
     Reservation,
@@ -60,7 +61,10 @@ class ColocatedWorker:
 
     # ---- the Decode API's reservation, then the Prefill API ---------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
-                renew_s: float = 0.0, prompt_ids: list[int] | None = None) -> Reservation:
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None,
+                prefill_here: PrefillHere | None = None) -> Reservation:
+        """Pages for the router's Prefill call on this same worker (`prefill_here` is not
+        needed: every prompt is computed here)."""
         if not self.admitting:
             raise Unavailable(f"co-located worker {self.worker_id} is draining")
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,

@@ -5,25 +5,48 @@ a reservation) for pages and a write window on the host's agent; `decode` has th
 the window, check the handoff landed and adopt the pages into a sequence of the running
 batch; tokens stream back as steps produce them. `abort` releases a reservation or ends a
 live sequence. A reservation whose handoff never comes expires with its lease.
+
+When the router offers it (`PrefillHere`) and the part of the prompt this pool lacks is short,
+`reserve` skips the handoff: it takes the pages and queues the prompt for this worker's own
+next step at once, and the Decode call that follows (local_prefill) streams the sequence from
+its first token (worker/early.py holds it until then).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
 from pdserve.common import failpoints
-from pdserve.common.errors import InvalidArgument, Unavailable
+from pdserve.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
+from pdserve.engine.engine import Engine
 from pdserve.engine.loop import EngineLoop, Outputs
+from pdserve.engine.pool import OutOfPages
+from pdserve.engine.sequence import StepOutput
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.cache_feed import CacheFeed
+from pdserve.worker.early import EarlyStart, EarlyStarts
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import first_output, token_events
-from pdserve.worker.types import DecodeEvent, DecodeRequest, Reservation, WorkerStats
+from pdserve.worker.types import (
+    DecodeEvent,
+    DecodeRequest,
+    PrefillHere,
+    Reservation,
+    WorkerStats,
+)
+
+log = logging.getLogger("pdserve.decode")
 
 
 class DecodeWorker:
@@ -46,6 +69,7 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.cache_feed = CacheFeed(loop)
         self.leases: LeaseBook | None = None
+        self.early = EarlyStarts(self._end_early)
 
     def register(self) -> None:
         """Register the pool with the agent, then accept reservations."""
@@ -57,19 +81,24 @@ class DecodeWorker:
                                 self.agent.window(),
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
-        self.leases.start_reaper()
+        self.leases.start_reaper(also=self._expire_early)
 
     def _registered(self, pool_id: str, agent_epoch: int) -> None:
         # Again after an agent restart: reservations from now on name the new pool and epoch.
         self.pool_id, self.agent_epoch = pool_id, agent_epoch
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
-                renew_s: float = 0.0, prompt_ids: list[int] | None = None) -> Reservation:
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None,
+                prefill_here: PrefillHere | None = None) -> Reservation:
         if not self.admitting or self.leases is None:
             raise Unavailable(f"decode worker {self.worker_id} is "
                               f"{'draining' if self.leases else 'starting'}")
         if request_id in self.engine.seqs:
             raise InvalidArgument(f"request {request_id} is already decoding on {self.worker_id}")
+        if prefill_here is not None and prompt_ids:
+            started = self._start_here(request_id, lease_s, renew_s, prompt_ids, prefill_here)
+            if started is not None:
+                return started
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
                                     prompt_ids)
         cached_tokens = lease.cached_pages * self.engine.config.block_size
@@ -81,8 +110,63 @@ class DecodeWorker:
                                                   lease.cached_pages, lease.boundary_key),
                            lease.renew_s, cached_tokens)
 
+    def _start_here(self, rid: str, lease_s: float, renew_s: float, prompt_ids: list[int],
+                    here: PrefillHere) -> Reservation | None:
+        """Decode-first: when this pool lacks fewer than `here.below_tokens` of the prompt, take
+        its pages and queue it for this worker's next step now, under one engine lock (no
+        write window: nothing is sent here). None: the uncached part is too long for that."""
+        assert self.leases is not None  # reserve() checked it
+        lease_s, renew_s = self.leases.terms(rid, len(prompt_ids), lease_s, renew_s,
+                                             prompt_ids)
+        if self.leases.lease(rid) is not None:
+            raise FailedPrecondition(f"request {rid} already has pages on {self.worker_id}")
+        received = time.perf_counter()
+        key = TicketKey(rid, self.epoch)
+        block = self.engine.config.block_size
+
+        def start(e: Engine) -> int | None:
+            if len(prompt_ids) - len(e.prefix.lookup(prompt_ids, [])) * block \
+                    >= here.below_tokens:
+                return None
+            cached = e.reserve_prompt(key, prompt_ids)[0]
+            try:
+                e.add_request(rid, prompt_ids, here.params, reservation=key)
+            except BaseException:
+                e.free_reservation(key)
+                raise
+            return cached
+
+        try:
+            cached_pages, outputs = self.loop.start_sequence(rid, start)
+        except OutOfPages as exc:
+            raise ResourceExhausted(f"decode worker {self.worker_id}: no room for "
+                                    f"{len(prompt_ids)} prompt tokens ({exc})") from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if cached_pages is None:
+            self.loop.unsubscribe(rid)
+            return None
+        self.early.add(key, outputs, received, lease_s, renew_s)
+        cached_tokens = cached_pages * block
+        self.metrics.note_prompt(len(prompt_ids), cached_tokens)
+        pool = self.engine.pool
+        return Reservation(key, Destination(self.agent_address, self.agent_epoch, self.pool_id,
+                                            (), pool.fingerprint, cached_pages, 0),
+                           renew_s, cached_tokens, prefilling_here=True)
+
+    def _end_early(self, rid: str, reason: str) -> None:
+        """A sequence started at Reserve that no Decode call streams: end it, drop its outputs."""
+        self.loop.abort(rid, reason)
+        self.loop.unsubscribe(rid)
+        log.info("sequence %s started at Reserve ended before its Decode call: %s", rid, reason)
+
+    def _expire_early(self) -> None:
+        for _ in self.early.expire():  # counted as the reservation it stood in for would be
+            self.metrics.lease_expiries.inc()
+
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
         """The router's heartbeat for the reservations it holds; returns those not held."""
+        keys = self.early.renew(keys, renew_s)
         if self.leases is None:
             return [key.request_id for key in keys]
         return self.leases.renew(keys, renew_s)
@@ -124,6 +208,28 @@ class DecodeWorker:
         leading pages are already pinned there), then decode as usual. The first event carries
         the first token and the prefill's timing."""
         rid = request.ticket.request_id
+        early = self.early.take(request.ticket)
+        outputs = early.outputs if early is not None else self._adopt_here(request)
+        try:
+            out = first_output(outputs, rid, self.token_wait_s,
+                               lambda: self.loop.abort(rid, "timed out"))
+            now = time.perf_counter()
+            if out.finish_reason:
+                self.metrics.finished.labels(out.finish_reason).inc()
+            yield DecodeEvent([out.token] if out.token is not None else [],
+                              out.finish_reason or "", *_local_times(early, received, now, out))
+            if out.finish_reason:
+                return
+            yield from token_events(outputs, rid, self.token_wait_s,
+                                    lambda why: self.metrics.finished.labels(why).inc())
+        finally:
+            self.loop.unsubscribe(rid)
+            self._abort_sequence(rid)  # no-op when it finished
+
+    def _adopt_here(self, request: DecodeRequest) -> Outputs:
+        """A reservation (no start at Reserve) whose prompt this worker computes: close its
+        window and queue the prompt into its pages."""
+        rid = request.ticket.request_id
 
         def into_queue(lease: Lease) -> Outputs:
             try:
@@ -133,28 +239,14 @@ class DecodeWorker:
                 raise InvalidArgument(str(exc)) from None
 
         assert self.leases is not None  # decode() checked it
-        outputs = self.leases.adopt(request.ticket, into_queue, handoff=False)
-        try:
-            out = first_output(outputs, rid, self.token_wait_s,
-                               lambda: self.loop.abort(rid, "timed out"))
-            now = time.perf_counter()
-            queue_ms = max(0.0, (now - received) * 1e3 - out.prefill_ms)
-            if out.finish_reason:
-                self.metrics.finished.labels(out.finish_reason).inc()
-            yield DecodeEvent([out.token] if out.token is not None else [],
-                              out.finish_reason or "", (now - received) * 1e3, out.prefill_ms,
-                              queue_ms, out.cached_tokens)
-            if out.finish_reason:
-                return
-            yield from token_events(outputs, rid, self.token_wait_s,
-                                    lambda why: self.metrics.finished.labels(why).inc())
-        finally:
-            self.loop.unsubscribe(rid)
-            self._abort_sequence(rid)  # no-op when it finished
+        return self.leases.adopt(request.ticket, into_queue, handoff=False)
 
     def abort(self, ticket: TicketKey) -> bool:
         """Release the request's reservation, or end its live sequence."""
         if self.leases is not None and self.leases.release(ticket.request_id):
+            return True
+        if self.early.drop(ticket.request_id):
+            self.metrics.finished.labels("abort").inc()
             return True
         return self._abort_sequence(ticket.request_id)
 
@@ -175,7 +267,22 @@ class DecodeWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        self.early.close()
         self.cache_feed.close()
         if self.leases is not None:
             self.leases.close()
         self.agent.close()
+
+
+def _local_times(early: EarlyStart | None, received: float, now: float,
+                 out: StepOutput) -> tuple[float, float, float, int]:
+    """(decode_start_ms, prefill_ms, queue_ms, cached_tokens) of a local prefill's first
+    message, adding up to the time since the request arrived here. Started at Reserve, the
+    queue runs from Reserve and decode start is only what follows the later of the Decode
+    call and the first token."""
+    if early is None:
+        return ((now - received) * 1e3, out.prefill_ms,
+                max(0.0, (now - received) * 1e3 - out.prefill_ms), out.cached_tokens)
+    done = out.done_at or now
+    return ((now - max(received, done)) * 1e3, out.prefill_ms,
+            max(0.0, (done - early.received) * 1e3 - out.prefill_ms), out.cached_tokens)

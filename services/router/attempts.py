@@ -147,8 +147,9 @@ class AttemptRunner:
         try:
             failpoints.hit("router.reserved", worker_request_id)
             uncached = len(gen.prompt_ids) - reservation.cached_tokens
-            if uncached < self._remote_prefill_min_tokens and \
-                    reservation.destination.agent_address != "local":  # not co-located
+            if reservation.prefilling_here or (  # started at Reserve, or an older worker:
+                    uncached < self._remote_prefill_min_tokens
+                    and reservation.destination.agent_address != "local"):  # not co-located
                 return self._prefill_on_decode(gen, reservation, scope, attempt,
                                                ends_at_first_token)
             address, reply, sent, why = self._prefill(gen, worker_request_id, reservation,
@@ -181,7 +182,11 @@ class AttemptRunner:
         request = decode_pb2.ReserveRequest(
             request_id=worker_request_id, num_prompt_tokens=num_tokens, lease_ms=lease_s * 1e3,
             renew_lease_ms=self._keeper.renew_lease_s * 1e3 if self._keeper else 0.0,
-            prompt_token_ids=gen.prompt_ids)
+            prompt_token_ids=gen.prompt_ids,
+            # A short uncached part: the decode worker starts it at once (decode-first), one
+            # engine admission instead of a reservation, a window and a second admission.
+            prefill_here_below_tokens=self._remote_prefill_min_tokens,
+            sampling=wire.sampling_to_pb(gen.sampling))
         full: list[str] = []
         down: list[str] = []
         for address in ranked:

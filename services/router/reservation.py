@@ -36,6 +36,7 @@ class ReservationHandle:
         self.ticket: common_pb2.Ticket = reply.ticket
         self.destination: common_pb2.KVDestination = reply.destination
         self.cached_tokens: int = reply.cached_tokens  # prompt tokens the decode side holds
+        self.prefilling_here: bool = reply.prefilling_here  # decode started the prompt itself
         self.placement = ""  # why this worker (the placement's explanation)
         self.not_held = False  # a renewal found the reservation gone from the worker
         self._abort_timeout_s = abort_timeout_s

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x83\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x10\n\x08lease_ms\x18\x03 \x01(\x01\x12\x16\n\x0erenew_lease_ms\x18\x04 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\"\x94\x01\n\x0fReserveResponse\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12.\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x16\n\x0erenew_lease_ms\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"K\n\x0cRenewRequest\x12#\n\x07tickets\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Ticket\x12\x16\n\x0erenew_lease_ms\x18\x02 \x01(\x01\"!\n\rRenewResponse\x12\x10\n\x08not_held\x18\x01 \x03(\t\"\xa7\x01\n\rDecodeRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\"\x90\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_start_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"B\n\x0c\x41\x62ortRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x95\x03\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12L\n\x0b\x43\x61\x63heEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x10\n\x08lease_ms\x18\x03 \x01(\x01\x12\x16\n\x0erenew_lease_ms\x18\x04 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12!\n\x19prefill_here_below_tokens\x18\x06 \x01(\x05\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xad\x01\n\x0fReserveResponse\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12.\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x16\n\x0erenew_lease_ms\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fprefilling_here\x18\x05 \x01(\x08\"K\n\x0cRenewRequest\x12#\n\x07tickets\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Ticket\x12\x16\n\x0erenew_lease_ms\x18\x02 \x01(\x01\"!\n\rRenewResponse\x12\x10\n\x08not_held\x18\x01 \x03(\t\"\xa7\x01\n\rDecodeRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\"\x90\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_start_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"B\n\x0c\x41\x62ortRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x95\x03\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12L\n\x0b\x43\x61\x63heEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=65
-  _globals['_RESERVEREQUEST']._serialized_end=196
-  _globals['_RESERVERESPONSE']._serialized_start=199
-  _globals['_RESERVERESPONSE']._serialized_end=347
-  _globals['_RENEWREQUEST']._serialized_start=349
-  _globals['_RENEWREQUEST']._serialized_end=424
-  _globals['_RENEWRESPONSE']._serialized_start=426
-  _globals['_RENEWRESPONSE']._serialized_end=459
-  _globals['_DECODEREQUEST']._serialized_start=462
-  _globals['_DECODEREQUEST']._serialized_end=629
-  _globals['_DECODERESPONSE']._serialized_start=632
-  _globals['_DECODERESPONSE']._serialized_end=776
-  _globals['_ABORTREQUEST']._serialized_start=778
-  _globals['_ABORTREQUEST']._serialized_end=844
-  _globals['_ABORTRESPONSE']._serialized_start=846
-  _globals['_ABORTRESPONSE']._serialized_end=876
-  _globals['_DECODE']._serialized_start=879
-  _globals['_DECODE']._serialized_end=1284
+  _globals['_RESERVEREQUEST']._serialized_end=277
+  _globals['_RESERVERESPONSE']._serialized_start=280
+  _globals['_RESERVERESPONSE']._serialized_end=453
+  _globals['_RENEWREQUEST']._serialized_start=455
+  _globals['_RENEWREQUEST']._serialized_end=530
+  _globals['_RENEWRESPONSE']._serialized_start=532
+  _globals['_RENEWRESPONSE']._serialized_end=565
+  _globals['_DECODEREQUEST']._serialized_start=568
+  _globals['_DECODEREQUEST']._serialized_end=735
+  _globals['_DECODERESPONSE']._serialized_start=738
+  _globals['_DECODERESPONSE']._serialized_end=882
+  _globals['_ABORTREQUEST']._serialized_start=884
+  _globals['_ABORTREQUEST']._serialized_end=950
+  _globals['_ABORTRESPONSE']._serialized_start=952
+  _globals['_ABORTRESPONSE']._serialized_end=982
+  _globals['_DECODE']._serialized_start=985
+  _globals['_DECODE']._serialized_end=1390
 # @@protoc_insertion_point(module_scope)

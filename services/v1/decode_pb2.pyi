@@ -8,30 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms", "renew_lease_ms", "prompt_token_ids")
+    __slots__ = ("request_id", "num_prompt_tokens", "lease_ms", "renew_lease_ms", "prompt_token_ids", "prefill_here_below_tokens", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_BELOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     lease_ms: float
     renew_lease_ms: float
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ..., renew_lease_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_here_below_tokens: int
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., lease_ms: _Optional[float] = ..., renew_lease_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prefill_here_below_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("ticket", "destination", "renew_lease_ms", "cached_tokens")
+    __slots__ = ("ticket", "destination", "renew_lease_ms", "cached_tokens", "prefilling_here")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     RENEW_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_HERE_FIELD_NUMBER: _ClassVar[int]
     ticket: _common_pb2.Ticket
     destination: _common_pb2.KVDestination
     renew_lease_ms: float
     cached_tokens: int
-    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ..., renew_lease_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prefilling_here: bool
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., destination: _Optional[_Union[_common_pb2.KVDestination, _Mapping]] = ..., renew_lease_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prefilling_here: _Optional[bool] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("tickets", "renew_lease_ms")

@@ -143,17 +143,8 @@ class LeaseBook:
         at most `lease_s` (0: the default); with `renew_s` > 0 also only until no renewal came
         for `renew_s`. With `prompt_ids` the leading pages the pool already holds are pinned
         instead, and the window covers only the rest."""
-        if not request_id:
-            raise InvalidArgument("request_id is empty")
-        if num_prompt_tokens <= 0:
-            raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens}: must be > 0")
-        if prompt_ids and len(prompt_ids) != num_prompt_tokens:
-            raise InvalidArgument(f"prompt_token_ids has {len(prompt_ids)} tokens, "
-                                  f"num_prompt_tokens is {num_prompt_tokens}")
-        _check_duration("lease_ms", lease_s)
-        _check_duration("renew_lease_ms", renew_s)
-        lease_s = lease_s or self._default_lease_s
-        renew_s = min(renew_s, lease_s)
+        lease_s, renew_s = self.terms(request_id, num_prompt_tokens, lease_s, renew_s,
+                                      prompt_ids)
         key = TicketKey(request_id, self.epoch)
         with self._lock:
             if request_id in self._leases:
@@ -181,6 +172,22 @@ class LeaseBook:
             lease.state = LeaseState.WRITING
             lease.busy = False
         return lease
+
+    def terms(self, request_id: str, num_prompt_tokens: int, lease_s: float, renew_s: float,
+              prompt_ids: list[int] | None = None) -> tuple[float, float]:
+        """Check a reservation's arguments; returns its (lease_s, renew_s) with the defaults
+        applied. Raises InvalidArgument naming the bad field."""
+        if not request_id:
+            raise InvalidArgument("request_id is empty")
+        if num_prompt_tokens <= 0:
+            raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens}: must be > 0")
+        if prompt_ids and len(prompt_ids) != num_prompt_tokens:
+            raise InvalidArgument(f"prompt_token_ids has {len(prompt_ids)} tokens, "
+                                  f"num_prompt_tokens is {num_prompt_tokens}")
+        _check_duration("lease_ms", lease_s)
+        _check_duration("renew_lease_ms", renew_s)
+        lease_s = lease_s or self._default_lease_s
+        return lease_s, min(renew_s, lease_s)
 
     def adopt(self, key: TicketKey, into: Callable[[Lease], T], *,
               handoff: bool = True) -> T:
@@ -266,11 +273,13 @@ class LeaseBook:
                 log.info("lease expired for %s: pages reclaimed", lease.key.request_id)
                 self._on_expired(lease.key)
 
-    def start_reaper(self, interval_s: float = 0.2) -> None:
-        """Call `tick` every `interval_s` in a daemon thread until `close`."""
+    def start_reaper(self, interval_s: float = 0.2,
+                     also: Callable[[], object] = lambda: None) -> None:
+        """Call `tick` (then `also`) every `interval_s` in a daemon thread until `close`."""
         def run() -> None:
             while not self._stop.wait(interval_s):
                 self.tick()
+                also()
         self._reaper = threading.Thread(target=run, name="lease-reaper", daemon=True)
         self._reaper.start()
 

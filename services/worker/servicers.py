@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 from pdserve.common import tracing, wire
+from pdserve.common.errors import InvalidArgument
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.engine import Engine
 from pdserve.v1 import (
@@ -33,6 +34,7 @@ from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.types import (
     DecodeEvent,
     DecodeRequest,
+    PrefillHere,
     PrefillRequest,
     PrefillResult,
     Reservation,
@@ -63,8 +65,8 @@ class DecodeBackend(CacheSource, Protocol):
     model_id: str
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
-                renew_s: float = 0.0, prompt_ids: list[int] | None = None
-                ) -> Reservation: ...
+                renew_s: float = 0.0, prompt_ids: list[int] | None = None,
+                prefill_here: PrefillHere | None = None) -> Reservation: ...
 
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]: ...
 
@@ -137,9 +139,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             reservation = self.worker.reserve(request.request_id, request.num_prompt_tokens,
                                               request.lease_ms / 1e3,
                                               request.renew_lease_ms / 1e3,
-                                              list(request.prompt_token_ids) or None)
+                                              list(request.prompt_token_ids) or None,
+                                              _prefill_here(request))
             span.set_attributes({"kv_pages": len(reservation.destination.page_ids),
-                                 "cached_tokens": reservation.cached_tokens})
+                                 "cached_tokens": reservation.cached_tokens,
+                                 "prefilling_here": reservation.prefilling_here})
         if not context.is_active():  # the caller gave up (cancelled, timed out): free them
             self.worker.abort(reservation.ticket)
         return decode_pb2.ReserveResponse(
@@ -147,6 +151,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             destination=wire.destination_to_pb(reservation.destination),
             renew_lease_ms=reservation.renew_s * 1e3,
             cached_tokens=reservation.cached_tokens,
+            prefilling_here=reservation.prefilling_here,
         )
 
     def Decode(
@@ -207,6 +212,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
         return _cache_events(self.worker, request, context)
+
+
+def _prefill_here(request: decode_pb2.ReserveRequest) -> PrefillHere | None:
+    below = request.prefill_here_below_tokens
+    if below < 0:
+        raise InvalidArgument(f"prefill_here_below_tokens={below}: must be >= 0 (0 = off)")
+    if below == 0:
+        return None
+    if not request.HasField("sampling"):
+        raise InvalidArgument("prefill_here_below_tokens needs sampling (the parameters of "
+                              "the sequence it may start)")
+    return PrefillHere(below, wire.sampling_from_pb(request.sampling))
 
 
 def _cache_events(worker: CacheSource, request: common_pb2.CacheEventsRequest,

@@ -38,6 +38,16 @@ class Reservation:
     destination: Destination
     renew_s: float = 0.0  # the renewal period granted (0: the lease is not renewable)
     cached_tokens: int = 0  # leading prompt tokens whose KV this worker holds already
+    prefilling_here: bool = False  # the worker started the prompt itself (no pages to fill)
+
+
+@dataclass(frozen=True)
+class PrefillHere:
+    """Reserve's offer to skip the handoff: when the worker lacks fewer than `below_tokens`
+    of the prompt, it starts computing them at once with `params`."""
+
+    below_tokens: int
+    params: SamplingParams
 
 
 @dataclass(frozen=True)

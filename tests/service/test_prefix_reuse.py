@@ -6,12 +6,15 @@ serving reuses its cache the same way."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
+import grpc
 import pytest
 import torch
 
 from tests.service.stack import collect, pdserve_stack
+from tests.support import wait_for
 
 pytestmark = pytest.mark.service
 
@@ -136,3 +139,121 @@ def test_a_short_uncached_part_is_prefilled_on_the_decode_worker(tiny_model_dir,
         assert stats.free_pages == stats.num_pages and stats.reserved_tickets == 0
     assert ids1 == _reference(hf, prompt) and ids2 == _reference(hf, turn2)
     assert finish2.completion_tokens == MAX_TOKENS
+
+
+# ---- decode-first: Reserve starts a short uncached part on the decode worker -----------------
+
+def _reserve(decode, rid: str, prompt: list[int], *, below: int = 64, max_tokens: int = MAX_TOKENS,
+             **fields):
+    from pdserve.v1 import common_pb2, decode_pb2
+
+    return decode.Reserve(decode_pb2.ReserveRequest(
+        request_id=rid, num_prompt_tokens=len(prompt), prompt_token_ids=prompt,
+        prefill_here_below_tokens=below, sampling=common_pb2.SamplingParams(
+            max_tokens=max_tokens, top_p=1.0, ignore_eos=True), **fields), timeout=30)
+
+
+def _local_decode(decode, reply, prompt: list[int]):
+    from pdserve.v1 import common_pb2, decode_pb2
+
+    return list(decode.Decode(decode_pb2.DecodeRequest(
+        ticket=reply.ticket, prompt_token_ids=prompt, local_prefill=True,
+        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, top_p=1.0, ignore_eos=True)),
+        timeout=60))
+
+
+@pytest.fixture
+def decode(stack):
+    from pdserve.v1 import decode_pb2_grpc
+
+    with grpc.insecure_channel(stack.decode[0]) as channel:
+        yield decode_pb2_grpc.DecodeStub(channel)
+
+
+def test_reserve_starts_a_short_uncached_part_and_decode_streams_it(stack, decode, hf):
+    total = stack.decode_stats().num_pages
+    prompt = _tokens(11, 40)  # 40 uncached tokens < 64: started at Reserve, no pages to fill
+    reply = _reserve(decode, "early-1", prompt)
+    assert reply.prefilling_here and list(reply.destination.page_ids) == []
+    assert reply.cached_tokens == 0
+    messages = _local_decode(decode, reply, prompt)
+    first = messages[0]
+    assert first.prefill_ms > 0 and first.queue_ms >= 0 and first.decode_start_ms >= 0
+    assert [t for m in messages for t in m.token_ids] == _reference(hf, prompt)
+    assert messages[-1].finish_reason == "length"
+    # The same prompt plus a few tokens: two pages held, 8 tokens computed here.
+    longer = prompt + [9] * 8
+    again = _reserve(decode, "early-2", longer)
+    assert again.prefilling_here and again.cached_tokens == 2 * BS
+    messages = _local_decode(decode, again, longer)
+    assert messages[0].cached_tokens == 2 * BS
+    assert [t for m in messages for t in m.token_ids] == _reference(hf, longer)
+    stats = stack.decode_stats()
+    assert stats.free_pages == total and stats.reserved_tickets == 0
+
+
+def test_a_long_uncached_part_still_gets_pages_for_a_handoff(stack, decode):
+    from pdserve.v1 import common_pb2, decode_pb2
+
+    total = stack.decode_stats().num_pages
+    prompt = _tokens(12, 100)
+    reply = _reserve(decode, "early-long", prompt)  # 100 uncached >= 64: a reservation
+    assert not reply.prefilling_here and len(reply.destination.page_ids) == 7
+    assert decode.Abort(decode_pb2.AbortRequest(
+        ticket=common_pb2.Ticket(request_id="early-long")), timeout=10).found
+    assert stack.decode_stats().free_pages == total
+
+
+def test_a_started_sequence_aborted_before_its_decode_call_frees_its_pages(stack, decode):
+    from pdserve.v1 import decode_pb2
+
+    total = stack.decode_stats().num_pages
+    prompt = _tokens(13, 30)
+    reply = _reserve(decode, "early-abort", prompt, max_tokens=4000)
+    assert reply.prefilling_here
+    assert decode.Abort(decode_pb2.AbortRequest(ticket=reply.ticket), timeout=10).found
+    assert wait_for(lambda: stack.decode_stats().free_pages == total, timeout_s=15)
+    with pytest.raises(grpc.RpcError) as err:  # a late Decode finds nothing to stream
+        _local_decode(decode, reply, prompt)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expired or it was aborted" in err.value.details()
+
+
+def test_a_started_sequence_whose_decode_call_never_comes_ends_with_its_lease(stack, decode):
+    from pdserve.v1 import decode_pb2
+
+    total = stack.decode_stats().num_pages
+    expired = _metric(stack.scrape("decode-0"), "pdserve_lease_expiries_total")
+    prompt = _tokens(14, 30)
+    # Renewed while its holder is alive: still held after several renewal periods.
+    reply = _reserve(decode, "early-lease", prompt, max_tokens=4000, lease_ms=20000,
+                     renew_lease_ms=300)
+    assert reply.prefilling_here and reply.renew_lease_ms == 300
+    for _ in range(5):  # 1 s in all, over three renewal periods: the lease clock must run
+        renewed = decode.Renew(decode_pb2.RenewRequest(tickets=[reply.ticket]), timeout=10)
+        assert list(renewed.not_held) == []
+        time.sleep(0.2)
+    # The holder went away: the sequence is ended and its pages come back.
+    assert wait_for(lambda: stack.decode_stats().free_pages == total, timeout_s=15)
+    assert wait_for(lambda: _metric(stack.scrape("decode-0"), "pdserve_lease_expiries_total")
+                    == expired + 1, timeout_s=15)
+    renewed = decode.Renew(decode_pb2.RenewRequest(tickets=[reply.ticket]), timeout=10)
+    assert list(renewed.not_held) == ["early-lease"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"below": -1}, "prefill_here_below_tokens=-1: must be >= 0"),
+    ({"below": 64, "sampling": None}, "prefill_here_below_tokens needs sampling"),
+])
+def test_a_bad_prefill_here_offer_is_refused_naming_it(stack, decode, fields, message):
+    from pdserve.v1 import common_pb2, decode_pb2
+
+    prompt = _tokens(15, 20)
+    sampling = fields.get("sampling", common_pb2.SamplingParams(max_tokens=4, top_p=1.0))
+    with pytest.raises(grpc.RpcError) as err:
+        decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="bad-offer", num_prompt_tokens=len(prompt), prompt_token_ids=prompt,
+            prefill_here_below_tokens=fields["below"], sampling=sampling), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert stack.decode_stats().reserved_tickets == 0
