@@ -21,6 +21,9 @@ class ColocatedConfig(WorkerConfig):
     port: int = option(50091, "gRPC port (serves pdserve.v1.Prefill and pdserve.v1.Decode)")
     metrics_port: int = option(9091, METRICS_PORT_HELP)
     lease_ms: float = option(30_000.0, "how long reserved pages wait for their prefill (ms)")
+    prompts_beside_decodes: int = option(0, "prompts one step computes while sequences decode "
+                                            "(0: as many as --max-prefill-tokens holds; 1 gave "
+                                            "a lower TTFT p50 and a higher p99 at 32 streams)")
     prefill_wait_s: float = option(300.0, "longest a prompt may wait and run before its "
                                           "Prefill call fails (s)")
     token_wait_s: float = option(120.0, "longest a stream waits for its next token before "
@@ -29,6 +32,8 @@ class ColocatedConfig(WorkerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.lease_ms > 0, "lease_ms", self.lease_ms, "> 0")
+        require(self.prompts_beside_decodes >= 0, "prompts_beside_decodes",
+                self.prompts_beside_decodes, ">= 0 (0 = no limit)")
         require(self.prefill_wait_s > 0, "prefill_wait_s", self.prefill_wait_s, "> 0")
         require(self.token_wait_s > 0, "token_wait_s", self.token_wait_s, "> 0")
 

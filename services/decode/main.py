@@ -21,12 +21,19 @@ class DecodeConfig(WorkerConfig):
     port: int = option(50071, "gRPC port")
     metrics_port: int = option(9071, METRICS_PORT_HELP)
     lease_ms: float = option(30_000.0, "how long reserved pages wait for their KV handoff (ms)")
+    # The prompts a decode worker computes are the short uncached parts the router leaves it
+    # (--remote-prefill-min-tokens): one per step gives each its first token a step sooner
+    # than packing them, and keeps the batch's steps short (measured in docs/benchmarks.md).
+    prompts_beside_decodes: int = option(1, "prompts one step computes while sequences decode "
+                                            "(0: as many as --max-prefill-tokens holds)")
     token_wait_s: float = option(120.0, "longest a stream waits for its next token before "
                                         "failing (s)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.lease_ms > 0, "lease_ms", self.lease_ms, "> 0")
+        require(self.prompts_beside_decodes >= 0, "prompts_beside_decodes",
+                self.prompts_beside_decodes, ">= 0 (0 = no limit)")
         require(self.token_wait_s > 0, "token_wait_s", self.token_wait_s, "> 0")
 
 

@@ -53,6 +53,10 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # prompt tokens of all sequences per prefill step
     max_model_len: int = 0         # prompt + output tokens of one sequence (0: the model's)
     prefix_caching: bool = True    # keep full pages for reuse by later prompts
+    # Prompts one step computes while sequences decode (0: as many as the budget holds). A
+    # step that packs several prompts gives each its first token only at its end, and holds
+    # every running sequence's next token as long.
+    prompts_beside_decodes: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -62,6 +66,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.prompts_beside_decodes < 0:
+            raise ValueError(f"prompts_beside_decodes must be >= 0, got "
+                             f"{self.prompts_beside_decodes}")
 
 
 class Engine:
@@ -249,8 +256,11 @@ class Engine:
     def _plan_prefill(self, budget: int, chunk_size: int) -> list[tuple[Sequence, int]]:
         plan: list[tuple[Sequence, int]] = []
         live = len(self.running)
+        most = self.config.prompts_beside_decodes if self.running else 0
         for seq in self.waiting:
             if budget <= 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
+                break
+            if most and len(plan) == most:
                 break
             # All pages of the sequence's tokens at its first chunk, or none: sequences that
             # each hold part of what they need could otherwise wait on each other forever.

@@ -51,8 +51,8 @@ def pool_plan(model: PagedCausalLM, role: str, block_size: int, num_pages: int =
 def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "cpu",
                  block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 0,
                  max_model_len: int = 0, chunk_size: int = 512, max_num_seqs: int = 256,
-                 max_prefill_tokens: int = 2048,
-                 prefix_caching: bool = True) -> tuple[Engine, Path]:
+                 max_prefill_tokens: int = 2048, prefix_caching: bool = True,
+                 prompts_beside_decodes: int = 0) -> tuple[Engine, Path]:
     """The engine of a worker. Its pool holds at least one full-context sequence: sized so
     (kv_cache_mb 0 and num_pages 0), or checked (ValueError naming both numbers)."""
     ref = resolve_model_name(model)
@@ -64,5 +64,6 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
     config = EngineConfig(role=role, block_size=block_size, num_pages=plan.num_pages,
                           max_model_len=plan.max_model_len, chunk_size=chunk_size,
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                          prefix_caching=prefix_caching)
+                          prefix_caching=prefix_caching,
+                          prompts_beside_decodes=prompts_beside_decodes)
     return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(directory)), directory

@@ -88,7 +88,8 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
             num_pages=cfg.num_pages, kv_cache_mb=cfg.kv_cache_mb,
             max_model_len=cfg.max_model_len, chunk_size=cfg.chunk_size,
             max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
-            prefix_caching=cfg.prefix_cache)
+            prefix_caching=cfg.prefix_cache,
+            prompts_beside_decodes=getattr(cfg, "prompts_beside_decodes", 0))  # not prefill's
     except SizingError as exc:  # before any pool exists: nothing to clean up
         log.error("%s cannot start: %s", worker_id, exc)
         return 1

@@ -111,3 +111,35 @@ def test_a_prompt_alone_takes_the_whole_budget_in_one_step(models):
         assert engine.allocator.num_free == engine.config.num_pages
     finally:
         engine.close()
+
+
+def test_one_prompt_per_step_beside_decodes_gives_each_its_first_token_a_step_sooner(models):
+    """`prompts_beside_decodes=1` (the decode worker's default): while a sequence decodes,
+    waiting prompts take one step each instead of sharing one, so the first finishes a step
+    earlier; with nothing decoding the limit does not apply. Tokens stay exact."""
+    hf, model = models
+    engine = Engine(model, EngineConfig(role="decode", num_pages=64, chunk_size=64,
+                                        prompts_beside_decodes=1), eos_token_ids=[])
+    prompts = {"a": _prompt(10, 3), "b": _prompt(20, 4), "c": _prompt(30, 5)}
+    tokens: dict[str, list[int]] = {k: [] for k in prompts}
+    firsts: list[list[str]] = []
+    try:
+        engine.add_request("a", prompts["a"], GREEDY)
+        for out in engine.step():  # nothing decoding yet: a prompt step alone
+            tokens[out.seq_id].append(out.token or 0)
+        engine.add_request("b", prompts["b"], GREEDY)
+        engine.add_request("c", prompts["c"], GREEDY)
+        while engine.has_work():
+            outs = engine.step()
+            firsts.append([o.seq_id for o in outs if o.seq_id != "a" and not tokens[o.seq_id]])
+            for out in outs:
+                tokens[out.seq_id].append(out.token or 0)
+        assert firsts[:2] == [["b"], ["c"]]  # one prompt per step, in arrival order
+        for seq_id, prompt in prompts.items():
+            assert tokens[seq_id] == _reference(hf, prompt), seq_id
+        assert engine.allocator.num_free == engine.config.num_pages
+    finally:
+        engine.close()
+
+    with pytest.raises(ValueError, match="prompts_beside_decodes must be >= 0"):
+        EngineConfig(prompts_beside_decodes=-1)
