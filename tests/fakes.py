@@ -1,5 +1,6 @@
-"""Shared test doubles and helpers: a tiny tokenizer-only model directory, and scripted
-Prefill/Decode servers that speak only the pdserve.v1 contract (for router tests)."""
+"""Shared test doubles and helpers: a tiny tokenizer-only model directory, scripted
+Prefill/Decode servers that speak only the pdserve.v1 contract (for router tests), and a fake
+clock."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 CORPUS = ["hello world, the quick brown fox jumps over the lazy dog",
           "naïve café, Straße, 中文文本, 日本語, emoji 🙂🚀", "STOP here ### and END."]
 TEXT = "hello world, the quick brown fox jumps over the lazy dog"
+
+
+class FakeClock:
+    """A monotonic clock a test moves by hand (`clock.now += 1.0`)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def make_model_dir(root: Path, *, max_context: int = 64, merges: bool = True) -> Path:

@@ -104,11 +104,14 @@ class DecodeWorker:
         cached_tokens = lease.cached_pages * self.engine.config.block_size
         if prompt_ids:
             self.metrics.note_prompt(num_prompt_tokens, cached_tokens)
-        return Reservation(lease.key, Destination(self.agent_address, self.agent_epoch,
-                                                  self.pool_id, tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint,
-                                                  lease.cached_pages, lease.boundary_key),
+        return Reservation(lease.key, self._destination(lease.page_ids, lease.cached_pages,
+                                                        lease.boundary_key),
                            lease.renew_s, cached_tokens)
+
+    def _destination(self, page_ids: list[int], cached_pages: int,
+                     boundary_key: int) -> Destination:
+        return Destination(self.agent_address, self.agent_epoch, self.pool_id, tuple(page_ids),
+                           self.engine.pool.fingerprint, cached_pages, boundary_key)
 
     def _start_here(self, rid: str, lease_s: float, renew_s: float, prompt_ids: list[int],
                     here: PrefillHere) -> Reservation | None:
@@ -122,13 +125,12 @@ class DecodeWorker:
             raise FailedPrecondition(f"request {rid} already has pages on {self.worker_id}")
         received = time.perf_counter()
         key = TicketKey(rid, self.epoch)
-        block = self.engine.config.block_size
 
         def start(e: Engine) -> int | None:
-            if len(prompt_ids) - len(e.prefix.lookup(prompt_ids, [])) * block \
-                    >= here.below_tokens:
+            taken = e.reserve_prompt(key, prompt_ids, uncached_below=here.below_tokens)
+            if taken is None:
                 return None
-            cached = e.reserve_prompt(key, prompt_ids)[0]
+            cached = taken[0]
             try:
                 e.add_request(rid, prompt_ids, here.params, reservation=key)
             except BaseException:
@@ -147,12 +149,10 @@ class DecodeWorker:
             self.loop.unsubscribe(rid)
             return None
         self.early.add(key, outputs, received, lease_s, renew_s)
-        cached_tokens = cached_pages * block
+        cached_tokens = cached_pages * self.engine.config.block_size
         self.metrics.note_prompt(len(prompt_ids), cached_tokens)
-        pool = self.engine.pool
-        return Reservation(key, Destination(self.agent_address, self.agent_epoch, self.pool_id,
-                                            (), pool.fingerprint, cached_pages, 0),
-                           renew_s, cached_tokens, prefilling_here=True)
+        return Reservation(key, self._destination([], cached_pages, 0), renew_s, cached_tokens,
+                           prefilling_here=True)
 
     def _end_early(self, rid: str, reason: str) -> None:
         """A sequence started at Reserve that no Decode call streams: end it, drop its outputs."""

@@ -137,14 +137,19 @@ class Engine:
         """
         return self._take_reservation(owner, num_prompt_tokens, [])
 
-    def reserve_prompt(self, owner: Hashable, prompt_ids: list[int]
-                       ) -> tuple[int, list[int], int]:
+    def reserve_prompt(self, owner: Hashable, prompt_ids: list[int], *,
+                       uncached_below: int = 0) -> tuple[int, list[int], int] | None:
         """`reserve` for a known prompt: the leading full pages this pool already holds
         (never the page of the prompt's last token) are pinned under `owner` first, and only
         the rest is newly allocated. Returns (cached pages, the new page ids, the key of the
-        last cached page or 0): the handoff has to fill only the new ones."""
+        last cached page or 0): the handoff has to fill only the new ones. With
+        `uncached_below` > 0, None (nothing taken) when the pool lacks that many tokens or
+        more."""
         keys: list[int] = []
         hits = self.prefix.lookup(prompt_ids, keys)
+        if uncached_below and \
+                len(prompt_ids) - len(hits) * self.config.block_size >= uncached_below:
+            return None
         new = self._take_reservation(owner, len(prompt_ids), hits)
         return len(hits), new, self.prefix.last_key(keys, len(hits))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import Outputs
+from pdserve.worker.leases import renewed
 
 
 @dataclass
@@ -74,9 +75,7 @@ class EarlyStarts:
                 if start is None or start.key != key:
                     rest.append(key)
                     continue
-                period = min(renew_s or start.renew_s, start.cap - now)
-                if start.renew_s > 0 and now + period > start.deadline:
-                    start.deadline = now + period
+                start.deadline = renewed(start.deadline, start.cap, start.renew_s, renew_s, now)
         return rest
 
     def expire(self) -> list[str]:

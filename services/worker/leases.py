@@ -253,9 +253,7 @@ class LeaseBook:
                 if lease is None or lease.key != key or lease.pending_release is not None:
                     not_held.append(key.request_id)
                     continue
-                period = min(renew_s or lease.renew_s, lease.cap - now)
-                if lease.renew_s > 0 and now + period > lease.deadline:
-                    lease.deadline = now + period
+                lease.deadline = renewed(lease.deadline, lease.cap, lease.renew_s, renew_s, now)
         return not_held
 
     # ---- upkeep -------------------------------------------------------------------------
@@ -337,6 +335,15 @@ class LeaseBook:
             lease.state = state
             lease.busy = False
         self._pages.free(lease.key)
+
+
+def renewed(deadline: float, cap: float, own_renew_s: float, renew_s: float, now: float
+            ) -> float:
+    """A renewable hold's deadline after a renewal at `now`: `renew_s` ahead (0: its own
+    period), never past `cap` nor earlier than it was; unchanged when not renewable."""
+    if own_renew_s <= 0:
+        return deadline
+    return max(deadline, now + min(renew_s or own_renew_s, cap - now))
 
 
 def _check_duration(field: str, seconds: float) -> None:

@@ -19,7 +19,9 @@ class EnginePages:
         def take(e: Engine) -> ReservedPages:
             if prompt_ids is None:
                 return ReservedPages(e.reserve(key, num_prompt_tokens))
-            cached, new, boundary_key = e.reserve_prompt(key, prompt_ids)
+            taken = e.reserve_prompt(key, prompt_ids)
+            assert taken is not None  # None only with an uncached_below limit
+            cached, new, boundary_key = taken
             return ReservedPages(new, cached, boundary_key)
         try:
             return self._loop.submit(take)

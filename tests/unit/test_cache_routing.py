@@ -15,15 +15,9 @@ from pdserve.router.cache_index import CacheIndex
 from pdserve.router.placement import DecodeLoad, PrefillLoad, Weights, place_decode, place_prefill
 from pdserve.worker.cache_feed import CacheFeed
 
+from tests.fakes import FakeClock
+
 pytestmark = pytest.mark.unit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---- the index ----------------------------------------------------------------------------
@@ -49,7 +43,7 @@ def test_a_new_epoch_needs_its_snapshot_and_replaces_everything():
 
 
 def test_speculative_entries_last_a_short_while():
-    clock = Clock()
+    clock = FakeClock()
     index = CacheIndex(speculative_s=2.0, clock=clock)
     index.speculate("d1", [5, 6])
     assert index.match(["d0", "d1"], [5, 6, 7]) == {"d0": 0, "d1": 2}

@@ -9,18 +9,12 @@ import queue
 from pdserve.common.tickets import TicketKey
 from pdserve.worker.early import EarlyStarts
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import FakeClock
 
 
 def _book():
     ended: list[tuple[str, str]] = []
-    clock = Clock()
+    clock = FakeClock(100.0)
     return EarlyStarts(lambda rid, why: ended.append((rid, why)), clock), clock, ended
 
 

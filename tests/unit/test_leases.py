@@ -16,6 +16,8 @@ from pdserve.common.errors import (
 from pdserve.common.tickets import TicketKey
 from pdserve.worker.leases import LeaseBook, LeaseState, NoRoom, ReservedPages, WindowClosed
 
+from tests.fakes import FakeClock
+
 pytestmark = pytest.mark.unit
 
 EPOCH = 7
@@ -69,17 +71,9 @@ class FakeWindow:
         return WindowClosed(confirmed=True, landed=key in self.landed)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def parts() -> tuple[LeaseBook, FakePages, FakeWindow, Clock, list[TicketKey]]:
-    pages, window, clock, expired = FakePages(), FakeWindow(), Clock(), []
+def parts() -> tuple[LeaseBook, FakePages, FakeWindow, FakeClock, list[TicketKey]]:
+    pages, window, clock, expired = FakePages(), FakeWindow(), FakeClock(100.0), []
     book = LeaseBook("decode-0", EPOCH, pages, window, default_lease_s=10.0, clock=clock,
                      on_expired=expired.append)
     return book, pages, window, clock, expired
