@@ -92,7 +92,7 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
             cmd.append("--no-prefix-cache")
         if "-min" in system:  # pdserve-disaggregated-min256: --remote-prefill-min-tokens 256
             env["PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS"] = system.rsplit("-min", 1)[1]
-        if system == "pdserve-2p2d":
+        if system.startswith("pdserve-2p2d"):  # -min0 too: every prompt through the prefill pool
             cmd += ["--prefill", "2", "--decode", "2", "--no-cpu-partition"]
         ready_s = 180.0
     with log.open("wb") as out:
@@ -214,10 +214,14 @@ def report(results: dict[str, dict[str, list[dict[str, object]]]]) -> str:
         if f"{d}-nocache" in results["D"]:
             target("D: disaggregated cache off / on TTFT p50", med("D", f"{d}-nocache",
                    "ttft_ms", "p50") / med("D", d, "ttft_ms", "p50"), 3.0, True)
-    for system in ("pdserve-disaggregated", "pdserve-2p2d"):
-        if system in results.get("D", {}):
+    for system in results.get("D", {}):
+        if system.startswith(("pdserve-disaggregated", "pdserve-2p2d")) and "nocache" not in system:
             target(f"D: {system} cached / perfect cache",
                    med("D", system, "cache_vs_perfect"), 0.9, True)
+        if system.startswith("pdserve-2p2d"):
+            for role, spread in _spread(results["D"][system][-1]).items():
+                target(f"D: {system} busiest {role} worker / mean ({spread[1]} requests)",
+                       spread[0], 1.5, False)
     if {"pdserve-disaggregated", "pdserve-colocated"} <= results.get("B", {}).keys():
         d, c = "pdserve-disaggregated", "pdserve-colocated"
         target("B: disaggregated / co-located ITL p99", med("B", d, "itl_ms", "p99")
@@ -243,14 +247,20 @@ def _reuse_cells(summaries: list[dict[str, object]]) -> str:
         value = (turns.get(t) or turns.get(str(t)) or {}).get("p50")
         return "-" if value is None else f"{value:.1f}"
 
-    per_worker: dict = s.get("requests_per_worker") or {}  # type: ignore[assignment]
-    spread = []
+    spread = " ".join(f"{role[0]}{ratio:.2f}" for role, (ratio, _) in _spread(s).items())
+    return (f"{pct('cache_hit_rate'):>10}{pct('cache_vs_perfect'):>11}{turn(0):>8}"
+            f"{turn(5):>8}{spread or '-':>14}")
+
+
+def _spread(summary: dict[str, object]) -> dict[str, tuple[float, int]]:
+    """Per role with more than one worker: (busiest worker's requests / the mean, requests)."""
+    per_worker: dict = summary.get("requests_per_worker") or {}  # type: ignore[assignment]
+    out = {}
     for role in ("prefill", "decode"):
         counts = [n for w, n in per_worker.items() if w.startswith(role)]
-        if len(counts) > 1:
-            spread.append(f"{role[0]}{max(counts) / (sum(counts) / len(counts)):.2f}")
-    return (f"{pct('cache_hit_rate'):>10}{pct('cache_vs_perfect'):>11}{turn(0):>8}"
-            f"{turn(5):>8}{' '.join(spread) or '-':>14}")
+        if len(counts) > 1 and sum(counts):
+            out[role] = (max(counts) / (sum(counts) / len(counts)), sum(counts))
+    return out
 
 
 def main() -> int:
