@@ -19,7 +19,9 @@ from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop, Outputs
+from pdserve.engine.sampling import SamplingParams
 from pdserve.worker.cache_feed import CacheFeed
+from pdserve.worker.here import LocalPrefill
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
 from pdserve.worker.streams import first_output, token_events
@@ -53,30 +55,44 @@ class ColocatedWorker:
         self.leases = LeaseBook(worker_id, self.epoch, EnginePages(loop), None,
                                 default_lease_s=default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
+        self.here = LocalPrefill(worker_id, "co-located", loop, self.metrics, token_wait_s)
         self._streams: dict[str, Outputs] = {}  # prefilled, waiting for their Decode call
         self._lock = threading.Lock()
 
     def register(self) -> None:
-        self.leases.start_reaper()
+        self.leases.start_reaper(also=self.here.expire)
 
     # ---- the Decode API's reservation, then the Prefill API ---------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
                 renew_s: float = 0.0, prompt_ids: list[int] | None = None,
                 prefill_here: PrefillHere | None = None) -> Reservation:
-        """Pages for the router's Prefill call on this same worker (`prefill_here` is not
-        needed: every prompt is computed here)."""
+        """Pages for the prompt; with `prefill_here` (any length: every prompt is computed
+        here) the prompt is queued at once for the Decode call, else for a Prefill call."""
         if not self.admitting:
             raise Unavailable(f"co-located worker {self.worker_id} is draining")
+        if prefill_here is not None and prompt_ids:
+            key = TicketKey(request_id, self.epoch)
+            started = self.here.start(self.leases, key, lease_s, renew_s, prompt_ids,
+                                      prefill_here.params, len(prompt_ids) + 1)
+            assert started is not None  # below the prompt's length + 1: always started
+            cached_pages, renew_s = started
+            cached_tokens = cached_pages * self.engine.config.block_size
+            self.metrics.note_prompt(len(prompt_ids), cached_tokens)
+            return Reservation(key, self._destination((), cached_pages, 0), renew_s,
+                               cached_tokens, prefilling_here=True)
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
                                     prompt_ids)
-        return Reservation(lease.key, Destination("local", 0, self.pool_id,
-                                                  tuple(lease.page_ids),
-                                                  self.engine.pool.fingerprint,
-                                                  lease.cached_pages, lease.boundary_key),
+        return Reservation(lease.key, self._destination(tuple(lease.page_ids),
+                                                        lease.cached_pages, lease.boundary_key),
                            lease.renew_s, lease.cached_pages * self.engine.config.block_size)
 
+    def _destination(self, page_ids: tuple[int, ...], cached_pages: int,
+                     boundary_key: int) -> Destination:
+        return Destination("local", 0, self.pool_id, page_ids, self.engine.pool.fingerprint,
+                           cached_pages, boundary_key)
+
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
-        return self.leases.renew(keys, renew_s)
+        return self.leases.renew(self.here.renew(keys, renew_s), renew_s)
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
@@ -85,16 +101,7 @@ class ColocatedWorker:
     def _prefill(self, request: PrefillRequest) -> PrefillResult:
         received = time.perf_counter()
         rid = request.request_id
-
-        def into_queue(lease: Lease) -> Outputs:  # the prompt's KV goes into the reserved pages
-            try:
-                _, outputs = self.loop.start_sequence(rid, lambda e: e.add_request(
-                    rid, request.token_ids, request.params, reservation=lease.key))
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
-            return outputs
-
-        outputs = self.leases.adopt(request.ticket, into_queue)
+        outputs = self._adopt(request.ticket, request.token_ids, request.params)
         try:
             out = first_output(outputs, rid, self.prefill_wait_s, lambda: None)
         except BaseException:
@@ -110,8 +117,27 @@ class ColocatedWorker:
         return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
                              TransferReport(transport="local"), out.cached_tokens)
 
+    def _adopt(self, ticket: TicketKey, prompt_ids: list[int], params: SamplingParams
+               ) -> Outputs:
+        """Queue a reserved prompt (its KV goes straight into the reserved pages)."""
+        rid = ticket.request_id
+
+        def into_queue(lease: Lease) -> Outputs:
+            try:
+                _, outputs = self.loop.start_sequence(rid, lambda e: e.add_request(
+                    rid, prompt_ids, params, reservation=lease.key))
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            return outputs
+
+        return self.leases.adopt(ticket, into_queue)
+
     def decode(self, request: DecodeRequest) -> Iterator[DecodeEvent]:
         rid = request.ticket.request_id
+        if request.local_prefill:  # queued at Reserve (or, from an older router, now)
+            yield from self.here.stream(request, time.perf_counter(), lambda: self._adopt(
+                request.ticket, request.prompt_ids, request.params))
+            return
         with self._lock:
             outputs = self._streams.pop(rid, None)
         if outputs is None:
@@ -128,7 +154,7 @@ class ColocatedWorker:
         self._forget(request_id)
 
     def abort(self, ticket: TicketKey) -> bool:
-        if self.leases.release(ticket.request_id):
+        if self.leases.release(ticket.request_id) or self.here.drop(ticket.request_id):
             return True
         return self._forget(ticket.request_id)
 
@@ -152,5 +178,6 @@ class ColocatedWorker:
 
     def stop(self) -> None:
         self.admitting = False
+        self.here.close()
         self.cache_feed.close()
         self.leases.close()

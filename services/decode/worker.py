@@ -9,7 +9,7 @@ live sequence. A reservation whose handoff never comes expires with its lease.
 When the router offers it (`PrefillHere`) and the part of the prompt this pool lacks is short,
 `reserve` skips the handoff: it takes the pages and queues the prompt for this worker's own
 next step at once, and the Decode call that follows (local_prefill) streams the sequence from
-its first token (worker/early.py holds it until then).
+its first token (worker/here.py).
 """
 
 from __future__ import annotations
@@ -19,25 +19,17 @@ import time
 from collections.abc import Iterator
 
 from pdserve.common import failpoints
-from pdserve.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    ResourceExhausted,
-    Unavailable,
-)
+from pdserve.common.errors import InvalidArgument, Unavailable
 from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
-from pdserve.engine.engine import Engine
 from pdserve.engine.loop import EngineLoop, Outputs
-from pdserve.engine.pool import OutOfPages
-from pdserve.engine.sequence import StepOutput
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.cache_feed import CacheFeed
-from pdserve.worker.early import EarlyStart, EarlyStarts
+from pdserve.worker.here import LocalPrefill
 from pdserve.worker.leases import Lease, LeaseBook
 from pdserve.worker.pages import EnginePages
-from pdserve.worker.streams import first_output, token_events
+from pdserve.worker.streams import token_events
 from pdserve.worker.types import (
     DecodeEvent,
     DecodeRequest,
@@ -69,7 +61,7 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.cache_feed = CacheFeed(loop)
         self.leases: LeaseBook | None = None
-        self.early = EarlyStarts(self._end_early)
+        self.here = LocalPrefill(worker_id, self.role, loop, self.metrics, token_wait_s)
 
     def register(self) -> None:
         """Register the pool with the agent, then accept reservations."""
@@ -81,7 +73,7 @@ class DecodeWorker:
                                 self.agent.window(),
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
-        self.leases.start_reaper(also=self._expire_early)
+        self.leases.start_reaper(also=self.here.expire)
 
     def _registered(self, pool_id: str, agent_epoch: int) -> None:
         # Again after an agent restart: reservations from now on name the new pool and epoch.
@@ -95,10 +87,16 @@ class DecodeWorker:
                               f"{'draining' if self.leases else 'starting'}")
         if request_id in self.engine.seqs:
             raise InvalidArgument(f"request {request_id} is already decoding on {self.worker_id}")
-        if prefill_here is not None and prompt_ids:
-            started = self._start_here(request_id, lease_s, renew_s, prompt_ids, prefill_here)
+        if prefill_here is not None and prompt_ids and prefill_here.below_tokens > 1:
+            key = TicketKey(request_id, self.epoch)  # (below 1 token: nothing to start)
+            started = self.here.start(self.leases, key, lease_s, renew_s, prompt_ids,
+                                      prefill_here.params, prefill_here.below_tokens)
             if started is not None:
-                return started
+                cached_pages, renew_s = started
+                cached_tokens = cached_pages * self.engine.config.block_size
+                self.metrics.note_prompt(len(prompt_ids), cached_tokens)
+                return Reservation(key, self._destination([], cached_pages, 0), renew_s,
+                                   cached_tokens, prefilling_here=True)
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
                                     prompt_ids)
         cached_tokens = lease.cached_pages * self.engine.config.block_size
@@ -113,60 +111,9 @@ class DecodeWorker:
         return Destination(self.agent_address, self.agent_epoch, self.pool_id, tuple(page_ids),
                            self.engine.pool.fingerprint, cached_pages, boundary_key)
 
-    def _start_here(self, rid: str, lease_s: float, renew_s: float, prompt_ids: list[int],
-                    here: PrefillHere) -> Reservation | None:
-        """Decode-first: when this pool lacks fewer than `here.below_tokens` of the prompt, take
-        its pages and queue it for this worker's next step now, under one engine lock (no
-        write window: nothing is sent here). None: the uncached part is too long for that."""
-        assert self.leases is not None  # reserve() checked it
-        lease_s, renew_s = self.leases.terms(rid, len(prompt_ids), lease_s, renew_s,
-                                             prompt_ids)
-        if self.leases.lease(rid) is not None:
-            raise FailedPrecondition(f"request {rid} already has pages on {self.worker_id}")
-        received = time.perf_counter()
-        key = TicketKey(rid, self.epoch)
-
-        def start(e: Engine) -> int | None:
-            taken = e.reserve_prompt(key, prompt_ids, uncached_below=here.below_tokens)
-            if taken is None:
-                return None
-            cached = taken[0]
-            try:
-                e.add_request(rid, prompt_ids, here.params, reservation=key)
-            except BaseException:
-                e.free_reservation(key)
-                raise
-            return cached
-
-        try:
-            cached_pages, outputs = self.loop.start_sequence(rid, start)
-        except OutOfPages as exc:
-            raise ResourceExhausted(f"decode worker {self.worker_id}: no room for "
-                                    f"{len(prompt_ids)} prompt tokens ({exc})") from None
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
-        if cached_pages is None:
-            self.loop.unsubscribe(rid)
-            return None
-        self.early.add(key, outputs, received, lease_s, renew_s)
-        cached_tokens = cached_pages * self.engine.config.block_size
-        self.metrics.note_prompt(len(prompt_ids), cached_tokens)
-        return Reservation(key, self._destination([], cached_pages, 0), renew_s, cached_tokens,
-                           prefilling_here=True)
-
-    def _end_early(self, rid: str, reason: str) -> None:
-        """A sequence started at Reserve that no Decode call streams: end it, drop its outputs."""
-        self.loop.abort(rid, reason)
-        self.loop.unsubscribe(rid)
-        log.info("sequence %s started at Reserve ended before its Decode call: %s", rid, reason)
-
-    def _expire_early(self) -> None:
-        for _ in self.early.expire():  # counted as the reservation it stood in for would be
-            self.metrics.lease_expiries.inc()
-
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
         """The router's heartbeat for the reservations it holds; returns those not held."""
-        keys = self.early.renew(keys, renew_s)
+        keys = self.here.renew(keys, renew_s)
         if self.leases is None:
             return [key.request_id for key in keys]
         return self.leases.renew(keys, renew_s)
@@ -179,7 +126,7 @@ class DecodeWorker:
         failpoints.hit("decode.start", rid)
 
         if request.local_prefill:
-            yield from self._prefill_here(request, received)
+            yield from self.here.stream(request, received, lambda: self._adopt_here(request))
             return
 
         def into_batch(lease: Lease) -> tuple[str | None, object]:
@@ -203,29 +150,6 @@ class DecodeWorker:
             self.loop.unsubscribe(rid)
             self._abort_sequence(rid)  # no-op when it finished
 
-    def _prefill_here(self, request: DecodeRequest, received: float) -> Iterator[DecodeEvent]:
-        """No handoff: compute the prompt's uncached part into the reserved pages (its cached
-        leading pages are already pinned there), then decode as usual. The first event carries
-        the first token and the prefill's timing."""
-        rid = request.ticket.request_id
-        early = self.early.take(request.ticket)
-        outputs = early.outputs if early is not None else self._adopt_here(request)
-        try:
-            out = first_output(outputs, rid, self.token_wait_s,
-                               lambda: self.loop.abort(rid, "timed out"))
-            now = time.perf_counter()
-            if out.finish_reason:
-                self.metrics.finished.labels(out.finish_reason).inc()
-            yield DecodeEvent([out.token] if out.token is not None else [],
-                              out.finish_reason or "", *_local_times(early, received, now, out))
-            if out.finish_reason:
-                return
-            yield from token_events(outputs, rid, self.token_wait_s,
-                                    lambda why: self.metrics.finished.labels(why).inc())
-        finally:
-            self.loop.unsubscribe(rid)
-            self._abort_sequence(rid)  # no-op when it finished
-
     def _adopt_here(self, request: DecodeRequest) -> Outputs:
         """A reservation (no start at Reserve) whose prompt this worker computes: close its
         window and queue the prompt into its pages."""
@@ -245,8 +169,7 @@ class DecodeWorker:
         """Release the request's reservation, or end its live sequence."""
         if self.leases is not None and self.leases.release(ticket.request_id):
             return True
-        if self.early.drop(ticket.request_id):
-            self.metrics.finished.labels("abort").inc()
+        if self.here.drop(ticket.request_id):
             return True
         return self._abort_sequence(ticket.request_id)
 
@@ -267,22 +190,9 @@ class DecodeWorker:
 
     def stop(self) -> None:
         self.admitting = False
-        self.early.close()
+        self.here.close()
         self.cache_feed.close()
         if self.leases is not None:
             self.leases.close()
         self.agent.close()
 
-
-def _local_times(early: EarlyStart | None, received: float, now: float,
-                 out: StepOutput) -> tuple[float, float, float, int]:
-    """(decode_start_ms, prefill_ms, queue_ms, cached_tokens) of a local prefill's first
-    message, adding up to the time since the request arrived here. Started at Reserve, the
-    queue runs from Reserve and decode start is only what follows the later of the Decode
-    call and the first token."""
-    if early is None:
-        return ((now - received) * 1e3, out.prefill_ms,
-                max(0.0, (now - received) * 1e3 - out.prefill_ms), out.cached_tokens)
-    done = out.done_at or now
-    return ((now - max(received, done)) * 1e3, out.prefill_ms,
-            max(0.0, (done - early.received) * 1e3 - out.prefill_ms), out.cached_tokens)

@@ -184,8 +184,10 @@ class AttemptRunner:
             renew_lease_ms=self._keeper.renew_lease_s * 1e3 if self._keeper else 0.0,
             prompt_token_ids=gen.prompt_ids,
             # A short uncached part: the decode worker starts it at once (decode-first), one
-            # engine admission instead of a reservation, a window and a second admission.
-            prefill_here_below_tokens=self._remote_prefill_min_tokens,
+            # engine admission instead of a reservation, a window and a second admission. At
+            # least 1, an offer no decode worker can take (a prompt computes at least its last
+            # token), so that a co-located worker, which starts every prompt, is offered it.
+            prefill_here_below_tokens=max(1, self._remote_prefill_min_tokens),
             sampling=wire.sampling_to_pb(gen.sampling))
         full: list[str] = []
         down: list[str] = []
@@ -272,8 +274,9 @@ class AttemptRunner:
     def _prefill_on_decode(self, gen: Generation, reservation: ReservationHandle,
                            scope: CallScope, attempt: int,
                            ends_at_first_token: Callable[[int], bool]) -> Started:
-        """The decode worker computes the prompt's short uncached part itself: no prefill
-        call, no handoff. Its first message carries the first token and the prefill's times."""
+        """The decode worker computes the prompt's short uncached part itself (a co-located
+        worker: every prompt), started at Reserve: no prefill call, no handoff. Its first
+        message carries the first token and the prefill's times."""
         sent = self._clock()
         stream = self._start_decode(gen, reservation, 0, scope, local=True)
         reservation.stop_renewing()
@@ -296,10 +299,16 @@ class AttemptRunner:
             stream.call.cancel()
             stream.span.end()
             started = None
+        uncached = len(gen.prompt_ids) - reservation.cached_tokens
+        if reservation.destination.agent_address == "local":  # a co-located worker: all here
+            reply.transfer.transport = "local"  # as its Prefill call reported it (no bytes)
+            return Started(reservation, reservation.address, reply, sent, attempt, started,
+                           placement=f"co-located {reservation.placement}; prefill started at "
+                           f"Reserve ({uncached} uncached tokens)")
         return Started(reservation, reservation.address, reply, sent, attempt, started,
                        prefill_on="decode", placement=f"decode {reservation.placement}; "
-                       f"prefill on decode ({len(gen.prompt_ids) - reservation.cached_tokens} "
-                       f"uncached tokens < {self._remote_prefill_min_tokens})")
+                       f"prefill on decode ({uncached} uncached tokens < "
+                       f"{self._remote_prefill_min_tokens})")
 
     def _start_decode(self, gen: Generation, reservation: ReservationHandle, first_token: int,
                       scope: CallScope, local: bool = False) -> DecodeStream:

@@ -109,13 +109,31 @@ def test_the_http_usage_reports_cached_tokens(stack, hf):
 
 
 def test_colocated_serving_reuses_its_cache(tiny_model_dir, hf):
+    """A co-located worker starts every prompt at Reserve, whatever its length (no Prefill
+    call: the router streams it from the Decode call), and reuses its cache."""
+    from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
     prompt = _tokens(4, 60)
     with pdserve_stack(colocated=True) as s:
         ids1, _, timing1, _ = _generate(s, prompt)
         ids2, _, timing2, _ = _generate(s, prompt + [7, 8, 9])
+        assert _metric(s.scrape("colocated"), "pdserve_prefill_requests_total") == 0
+        with grpc.insecure_channel(s.decode[0]) as channel:
+            worker = decode_pb2_grpc.DecodeStub(channel)
+            total = s.decode_stats().num_pages
+            long = _tokens(6, 100)  # far above the offer's 8 tokens: started all the same
+            reply = _reserve(worker, "co-1", long, below=8)
+            assert reply.prefilling_here and reply.destination.agent_address == "local"
+            messages = _local_decode(worker, reply, long)
+            assert [t for m in messages for t in m.token_ids] == _reference(hf, long)
+            reply = _reserve(worker, "co-2", _tokens(7, 30), max_tokens=4000)
+            assert worker.Abort(decode_pb2.AbortRequest(ticket=reply.ticket), timeout=10).found
+            assert wait_for(lambda: s.decode_stats().free_pages == total, timeout_s=15)
     assert ids1 == _reference(hf, prompt)
     assert ids2 == _reference(hf, prompt + [7, 8, 9])
     assert timing1.cached_tokens == 0 and timing2.cached_tokens == 48
+    assert timing1.prefill_on == timing2.prefill_on == "prefill"
+    assert timing1.kv_transport == "local" and timing1.prefill_ms > 0
 
 
 def test_a_short_uncached_part_is_prefilled_on_the_decode_worker(tiny_model_dir, hf):
