@@ -63,6 +63,7 @@ class PrefillBackend(CacheSource, Protocol):
 
 class DecodeBackend(CacheSource, Protocol):
     model_id: str
+    role: str  # "decode" or "colocated"
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
                 renew_s: float = 0.0, prompt_ids: list[int] | None = None,
@@ -175,8 +176,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             for ev in self.worker.decode(domain):
                 if len(spans) == 1:  # the first message: the sequence is live in the batch
                     spans[0].set_attributes({"decode_start_ms": ev.decode_start_ms,
+                                             # as Timing says it (co-located: "prefill")
                                              "prefill_on": "decode" if domain.local_prefill
-                                             else "prefill", "prefill_ms": ev.prefill_ms,
+                                             and self.worker.role == "decode" else "prefill",
+                                             "prefill_ms": ev.prefill_ms,
                                              "cached_tokens": ev.cached_tokens})
                     spans[0].end()
                     spans.append(tracing.start_span("decode.stream", kind=tracing.SERVER, **attrs))

@@ -277,10 +277,14 @@ def test_the_colocated_worker_is_traced_under_its_own_name(receiver, tiny_model_
                        env=env) as s:
         s.generate(request_id=rid, prompt="Hello", max_tokens=4, temperature=0.0,
                    ignore_eos=True)
-        names = {"router.generate", "decode.reserve", "prefill.request", "decode.stream"}
+        # The prompt starts at Reserve: its prefill is on decode.admission (no Prefill call).
+        names = {"router.generate", "decode.reserve", "decode.admission", "decode.stream"}
         spans = receiver.wait_for(lambda spans: names <= {
             x.name for x in spans if x.attributes.get("request_id") == rid})
     mine = [x for x in spans if x.attributes.get("request_id") == rid]
+    (admission,) = [x for x in mine if x.name == "decode.admission"]
+    assert admission.attributes["prefill_on"] == "prefill"
+    assert admission.attributes["prefill_ms"] > 0
     assert {x.service for x in mine} == {"pdserve-router", "pdserve-colocated"}
     assert len({x.trace_id for x in mine}) == 1
     assert not [x for x in mine if x.name.startswith("kv.")]  # no handoff between agents
