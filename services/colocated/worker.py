@@ -71,15 +71,12 @@ class ColocatedWorker:
         if not self.admitting:
             raise Unavailable(f"co-located worker {self.worker_id} is draining")
         if prefill_here is not None and prompt_ids:
-            key = TicketKey(request_id, self.epoch)
-            started = self.here.start(self.leases, key, lease_s, renew_s, prompt_ids,
-                                      prefill_here.params, len(prompt_ids) + 1)
-            assert started is not None  # below the prompt's length + 1: always started
-            cached_pages, renew_s = started
-            cached_tokens = cached_pages * self.engine.config.block_size
-            self.metrics.note_prompt(len(prompt_ids), cached_tokens)
-            return Reservation(key, self._destination((), cached_pages, 0), renew_s,
-                               cached_tokens, prefilling_here=True)
+            started = self.here.reserve(
+                self.leases, TicketKey(request_id, self.epoch), lease_s, renew_s, prompt_ids,
+                prefill_here.params, len(prompt_ids) + 1,  # more than it lacks: always started
+                lambda cached_pages: self._destination((), cached_pages, 0))
+            assert started is not None
+            return started
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
                                     prompt_ids)
         return Reservation(lease.key, self._destination(tuple(lease.page_ids),

@@ -88,15 +88,12 @@ class DecodeWorker:
         if request_id in self.engine.seqs:
             raise InvalidArgument(f"request {request_id} is already decoding on {self.worker_id}")
         if prefill_here is not None and prompt_ids and prefill_here.below_tokens > 1:
-            key = TicketKey(request_id, self.epoch)  # (below 1 token: nothing to start)
-            started = self.here.start(self.leases, key, lease_s, renew_s, prompt_ids,
-                                      prefill_here.params, prefill_here.below_tokens)
+            started = self.here.reserve(  # (below 1 token: nothing can start)
+                self.leases, TicketKey(request_id, self.epoch), lease_s, renew_s, prompt_ids,
+                prefill_here.params, prefill_here.below_tokens,
+                lambda cached_pages: self._destination([], cached_pages, 0))
             if started is not None:
-                cached_pages, renew_s = started
-                cached_tokens = cached_pages * self.engine.config.block_size
-                self.metrics.note_prompt(len(prompt_ids), cached_tokens)
-                return Reservation(key, self._destination([], cached_pages, 0), renew_s,
-                                   cached_tokens, prefilling_here=True)
+                return started
         lease = self.leases.reserve(request_id, num_prompt_tokens, lease_s, renew_s,
                                     prompt_ids)
         cached_tokens = lease.cached_pages * self.engine.config.block_size

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from pdserve.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from pdserve.common.handoff import Destination
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.engine import Engine
@@ -28,7 +29,7 @@ from pdserve.engine.sequence import StepOutput
 from pdserve.worker.early import EarlyStart, EarlyStarts
 from pdserve.worker.leases import LeaseBook
 from pdserve.worker.streams import first_output, token_events
-from pdserve.worker.types import DecodeEvent, DecodeRequest
+from pdserve.worker.types import DecodeEvent, DecodeRequest, Reservation
 
 log = logging.getLogger("pdserve.worker")
 
@@ -42,6 +43,20 @@ class LocalPrefill:
         self.metrics = metrics
         self.token_wait_s = token_wait_s
         self.early = EarlyStarts(self._end)
+
+    def reserve(self, leases: LeaseBook, key: TicketKey, lease_s: float, renew_s: float,
+                prompt_ids: list[int], params: SamplingParams, below_tokens: int,
+                destination: Callable[[int], Destination]) -> Reservation | None:
+        """`start`, answered as Reserve answers it: `destination(cached_pages)` names no pages
+        to fill, and `prefilling_here` is set; None when nothing was started."""
+        started = self.start(leases, key, lease_s, renew_s, prompt_ids, params, below_tokens)
+        if started is None:
+            return None
+        cached_pages, renew_s = started
+        cached_tokens = cached_pages * self.loop.engine.config.block_size
+        self.metrics.note_prompt(len(prompt_ids), cached_tokens)
+        return Reservation(key, destination(cached_pages), renew_s, cached_tokens,
+                           prefilling_here=True)
 
     def start(self, leases: LeaseBook, key: TicketKey, lease_s: float, renew_s: float,
               prompt_ids: list[int], params: SamplingParams,
