@@ -42,6 +42,7 @@ from pathlib import Path
 from pdserve.bench.loadgen.handoff import free_port_block, stop_group
 from pdserve.bench.loadgen.report import plots
 from pdserve.bench.loadgen.stats import RequestRecord
+from pdserve.bench.quiet import wait_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -311,6 +312,7 @@ def main() -> int:
                 for scn, spec in chosen.items():
                     out = Path(args.log_dir) / f"{scn}-{system}-{r}.json"
                     print(f"round {r + 1}, {system}, scenario {scn}: ", end="", flush=True)
+                    wait_quiet()  # the server's start-up or last scenario still on the cores
                     summary, records = bench(url, model_dir, spec, out, args)
                     results[scn][system].append(summary)
                     last[scn][system] = records

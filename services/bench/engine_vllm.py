@@ -4,7 +4,11 @@ Same model directory, same prompts (the same token ids), greedy, EOS ignored, th
 cores: pdserve runs in this process pinned to `--cpus` with one torch thread per core, vLLM in
 a child process of its own interpreter (`--vllm-python`, default /work/vllm-venv/bin/python)
 with `VLLM_CPU_OMP_THREADS_BIND` set to the same cores, both in the same dtype (float32, or
-bfloat16: vLLM-CPU's own default). Runs are interleaved (pdserve, vLLM, vLLM, pdserve, ...);
+bfloat16: vLLM-CPU's own default). Every timed run starts on a quiet machine
+(pdserve.bench.quiet: vLLM's engine keeps a core busy for about a second after a batch, and
+a run started in that second was measured with one core fewer; rounds that never got quiet
+are counted in the JSON's `runs_not_quiet` and warned about). Runs are interleaved (pdserve,
+vLLM, vLLM, pdserve, ...);
 each side's figure is the median of `--rounds`, and vLLM's best round is reported beside its
 median: its throughput moves a lot between rounds (a torch.compile'd graph per batch shape),
 so the target is judged against that best, a bound (`vs best` = pdserve's median / vLLM's
@@ -28,6 +32,7 @@ from typing import IO, Any
 
 import torch
 from pdserve.bench.engine_run import random_prompts, run_engine
+from pdserve.bench.quiet import QUIET_CORES, wait_quiet
 from pdserve.common.cpus import format_cpu_list
 from pdserve.engine.model import PagedCausalLM
 
@@ -112,13 +117,18 @@ def run_shape(model: PagedCausalLM, vllm: VllmEngine, levels: list[int],
         theirs: list[float] = []
         ratios: list[float] = []
         agree = Agreement(0, 0, 0.0)
+        noisy = 0  # timed runs that started on a machine still busy
         for r in range(rounds):
-            if r % 2 == 0:  # alternate who goes first, so drift in load hits both sides
-                tok_s, _, our_out = run_engine(model, prompts, output_tokens, keep_outputs=True)
-                v_tok_s, v_out = vllm.generate(prompts, output_tokens)
-            else:
-                v_tok_s, v_out = vllm.generate(prompts, output_tokens)
-                tok_s, _, our_out = run_engine(model, prompts, output_tokens, keep_outputs=True)
+            # alternate who goes first, so drift in load hits both sides
+            for side in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
+                noisy += _settle(vllm.log)
+                if side == "ours":
+                    tok_s, _, our_out = run_engine(model, prompts, output_tokens,
+                                                   keep_outputs=True)
+                else:
+                    v_tok_s, v_out = vllm.generate(prompts, output_tokens)
+            vllm.log.write(f"concurrency {c} round {r + 1}: pdserve {tok_s:.1f} tok/s, "
+                           f"vLLM {v_tok_s:.1f} tok/s\n")
             ours.append(tok_s)
             theirs.append(v_tok_s)
             ratios.append(tok_s / v_tok_s)
@@ -128,10 +138,22 @@ def run_shape(model: PagedCausalLM, vllm: VllmEngine, levels: list[int],
                "vllm_best_tok_s": max(theirs), "ratio": statistics.median(ratios),
                "vs_best": statistics.median(ours) / max(theirs),
                "rounds": rounds, "same_output": agree.exact, "sequences": agree.total,
-               "mean_common_prefix": agree.mean_common_prefix}
+               "mean_common_prefix": agree.mean_common_prefix, "runs_not_quiet": noisy}
         rows.append(row)
         print(_format_row(row), flush=True)
     return rows
+
+
+def _settle(log: IO[str]) -> int:
+    """Wait for the machine to go quiet before a timed run (the other engine idles busily for
+    about a second after its run: see pdserve.bench.quiet); 1 when it never did."""
+    waited_s, busy = wait_quiet()
+    log.write(f"settled {waited_s:.2f} s before a timed run ({busy:.2f} cores busy)\n")
+    if busy < QUIET_CORES:
+        return 0
+    print(f"warning: the machine stayed busy ({busy:.2f} cores) for {waited_s:.0f} s before "
+          "a timed run: this row's figures include that load", file=sys.stderr, flush=True)
+    return 1
 
 
 def _format_row(row: dict[str, Any]) -> str:
