@@ -19,38 +19,30 @@ WINDOW_S = 0.2
 TIMEOUT_S = 10.0
 
 
-def _busy_and_total() -> tuple[int, int] | None:
-    """Jiffies the machine spent busy (user, nice, system, irq, softirq) and in all."""
+def _jiffies() -> tuple[int, int, int] | None:
+    """From one read of /proc/stat: jiffies the machine spent busy (user, nice, system, irq,
+    softirq), jiffies in all, and how many CPUs they are summed over."""
     try:
-        fields = PROC_STAT.read_text().split("\n", 1)[0].split()[1:]
+        lines = PROC_STAT.read_text().splitlines()
     except OSError:
         return None
-    user, nice, system, idle, iowait, irq, softirq = (int(f) for f in fields[:7])
-    steal = int(fields[7]) if len(fields) > 7 else 0
+    user, nice, system, idle, iowait, irq, softirq, *rest = (int(f) for f in lines[0].split()[1:])
+    steal = rest[0] if rest else 0
     busy = user + nice + system + irq + softirq
-    return busy, busy + idle + iowait + steal
+    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return busy, busy + idle + iowait + steal, max(1, cpus)
 
 
 def busy_cores(window_s: float = WINDOW_S) -> float | None:
     """Cores' worth of CPU the whole machine used over the next `window_s` (None: no
     /proc/stat)."""
-    before = _busy_and_total()
-    started = time.monotonic()
+    before = _jiffies()
     time.sleep(window_s)
-    after = _busy_and_total()
-    elapsed = time.monotonic() - started
-    if before is None or after is None or elapsed <= 0:
+    after = _jiffies()
+    if before is None or after is None:
         return None
-    hz_window = (after[1] - before[1]) / max(1, _cores())  # jiffies per core in the window
-    return (after[0] - before[0]) / hz_window if hz_window > 0 else 0.0
-
-
-def _cores() -> int:
-    try:
-        return sum(1 for line in PROC_STAT.read_text().splitlines()
-                   if line.startswith("cpu") and line[3:4].isdigit())
-    except OSError:
-        return 1
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total * after[2] if total > 0 else 0.0
 
 
 def wait_quiet(*, below: float = QUIET_CORES, timeout_s: float = TIMEOUT_S) -> tuple[float, float]:
