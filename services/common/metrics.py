@@ -158,6 +158,10 @@ class WorkerMetrics:
                                 ("code",), registry=r)
         self.finished = Counter("pdserve_sequences_finished", "decode sequences ended, by "
                                 "reason (stop, length, abort)", ("reason",), registry=r)
+        self.decode_starts = Counter("pdserve_decode_sequences_started", "Decode starts by the "
+                                     "stream they came on: shared (DecodeMany, a router's one "
+                                     "stream to this worker) or own (a Decode call each)",
+                                     ("stream",), registry=r)
         self.lease_expiries = Counter("pdserve_lease_expiries", "reservations reclaimed because "
                                       "their KV handoff never came", registry=r)
         self.queried_tokens = Counter("pdserve_prefix_cache_queried_tokens", "prompt tokens "

@@ -92,6 +92,8 @@ def _guard_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _guard_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A response-streaming handler's errors as statuses (bidi too: `request` is then the
+    request iterator, whose malformed messages the handler sees as `_Malformed`)."""
     def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         if isinstance(request, _Malformed):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -121,7 +123,10 @@ class _Interceptor(grpc.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary), **kw)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream), **kw)
-        return handler  # client/bidi streaming: not used by pdserve.v1
+        if handler.stream_stream is not None:  # Decode/DecodeMany: traced per sequence inside
+            return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream),
+                                                         **kw)
+        return handler  # client streaming: not used by pdserve.v1
 
     def _unary(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         fn = _guard_unary(fn)

@@ -225,6 +225,7 @@ class AttemptRunner:
                                        on_done=functools.partial(self._pool.release, worker),
                                        keeper=self._keeper)
             handle.placement = placement.explain()
+            handle.streams = worker.streams
             return handle
         if full:  # every reachable decode worker said it has no room: tell the client now
             raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
@@ -317,10 +318,9 @@ class AttemptRunner:
         span = tracing.start_span("router.decode_stream", kind=tracing.CLIENT,
                                   worker=reservation.address,
                                   request_id=reservation.ticket.request_id)
-        call = reservation.stub.Decode(decode_pb2.DecodeRequest(
+        call = reservation.open_decode(decode_pb2.DecodeRequest(
             ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first_token,
-            sampling=wire.sampling_to_pb(gen.sampling), local_prefill=local),
-            metadata=tracing.outgoing_metadata(span))
+            sampling=wire.sampling_to_pb(gen.sampling), local_prefill=local), span)
         timed_out = threading.Event()
 
         def give_up() -> None:

@@ -47,6 +47,10 @@ class RouterConfig(ServerConfig):
                                      "every worker's prefix-cache events and weigh the tokens "
                                      "each would not have to compute or receive against its "
                                      "load (--no-cache-aware: by load only)")
+    shared_decode_stream: bool = option(True, "run every sequence on a decode worker over one "
+                                              "DecodeMany stream, one message per engine step "
+                                              "(--no-shared-decode-stream: a Decode call per "
+                                              "sequence, one message per token)")
     cache_weight: float = option(1.0, "placement cost per prompt token a worker would have to "
                                       "compute or receive")
     sequence_weight: float = option(32.0, "placement cost per sequence already in a decode "

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.cache_feed import Followed
+from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -62,6 +63,7 @@ class Worker:
     calls: int = 0  # this router's calls on it now (acquire .. release)
     member: bool = True  # False once retired: no new calls; dropped after its last one
     last_error: str = field(default="", repr=False)
+    streams: DecodeStreams | None = None  # decode: the shared stream its sequences run on
 
     @property
     def prefill(self) -> prefill_pb2_grpc.PrefillStub:
@@ -80,11 +82,13 @@ class WorkerPool:
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), *,
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  security: ChannelSecurity | None = None,
-                 on_checked: Callable[[list[Followed]], None] | None = None):
+                 on_checked: Callable[[list[Followed]], None] | None = None,
+                 shared_decode_stream: bool = True):
         self.interval_s = interval_s
         self._on_checked = on_checked  # after each round: the healthy members (cache feeds)
         self.timeout_s = timeout_s
         self._security = security
+        self._shared_decode_stream = shared_decode_stream  # DecodeMany, not a call per sequence
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -117,9 +121,11 @@ class WorkerPool:
                 else:
                     channel = self._channels.get(address) or self._open(address, tls_name)
                     self._channels[address] = channel
+                    stub = stub_cls(channel)
                     self._workers[(role, address)] = Worker(
-                        address, role, channel, stub_cls(channel),
-                        health_pb2_grpc.HealthStub(channel))
+                        address, role, channel, stub, health_pb2_grpc.HealthStub(channel),
+                        streams=DecodeStreams(stub, address) if role == "decode"
+                        and self._shared_decode_stream else None)
                 self._joins[role] += 1
                 log.info("%s worker %s joins (used once SERVING)", role, address)
             for (r, address), worker in self._workers.items():

@@ -14,8 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
+from pdserve.common import tracing
+from pdserve.router.mux import DecodeStreams, SequenceStream
 from pdserve.router.renewal import LeaseKeeper
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -39,6 +42,7 @@ class ReservationHandle:
         self.prefilling_here: bool = reply.prefilling_here  # decode started the prompt itself
         self.placement = ""  # why this worker (the placement's explanation)
         self.not_held = False  # a renewal found the reservation gone from the worker
+        self.streams: DecodeStreams | None = None  # the worker's shared decode stream
         self._abort_timeout_s = abort_timeout_s
         self._on_done = on_done  # once: settled, or its Abort answered (the worker is free)
         self._lock = threading.Lock()
@@ -60,6 +64,15 @@ class ReservationHandle:
     def worker(self) -> str:
         """The decode worker's own name when it gave one, else its address."""
         return self.ticket.decode_worker or self.address
+
+    def open_decode(self, request: decode_pb2.DecodeRequest, span: tracing.Span
+                    ) -> SequenceStream | Any:
+        """The sequence's Decode messages, traced under `span`: on the worker's shared stream
+        (DecodeMany) where the router keeps one, else on a Decode call of its own."""
+        metadata = tracing.outgoing_metadata(span)
+        if self.streams is not None:
+            return self.streams.open(request, tracing.traceparent(span), metadata)
+        return self.stub.Decode(request, metadata=metadata)
 
     def settle(self) -> None:
         self.stop_renewing()

@@ -83,6 +83,36 @@ class DecodeResponse(_message.Message):
     cached_tokens: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., decode_start_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class DecodeManyRequest(_message.Message):
+    __slots__ = ("start", "cancel", "traceparent")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    cancel: _common_pb2.Ticket
+    traceparent: str
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class DecodeManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
+
+class SequenceUpdate(_message.Message):
+    __slots__ = ("request_id", "message", "error_code", "error_message", "last")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    message: DecodeResponse
+    error_code: str
+    error_message: str
+    last: bool
+    def __init__(self, request_id: _Optional[str] = ..., message: _Optional[_Union[DecodeResponse, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("ticket", "reason")
     TICKET_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.Decode/DecodeMany',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Decode/Abort',
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.AbortRequest.SerializeToString,
@@ -81,6 +86,18 @@ class DecodeServicer:
 
     def Decode(self, request, context):
         """Start decoding a reserved, handed-off sequence; streams its tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """Many sequences on one stream: the caller (a router) opens it once per worker and starts
+        each handed-off sequence with a `start` message; the worker answers with batches, at most
+        one per engine step, that carry every sequence's new messages (the Decode stream's, as
+        they would have been) or its error. Decode's semantics per sequence, one HTTP/2 message
+        per step instead of one per token. A sequence's last update has `last` set. Closing the
+        stream aborts every sequence still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +145,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -205,6 +227,33 @@ class Decode:
             '/pdserve.v1.Decode/Decode',
             pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/DecodeMany',
+            pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

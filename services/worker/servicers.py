@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import grpc
 from pdserve.common import tracing, wire
 from pdserve.common.errors import InvalidArgument
+from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.engine import Engine
 from pdserve.v1 import (
@@ -31,6 +32,7 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 from pdserve.worker.cache_feed import CacheFeed
+from pdserve.worker.mux import DecodeMux
 from pdserve.worker.types import (
     DecodeEvent,
     DecodeRequest,
@@ -64,6 +66,8 @@ class PrefillBackend(CacheSource, Protocol):
 class DecodeBackend(CacheSource, Protocol):
     model_id: str
     role: str  # "decode" or "colocated"
+    admitting: bool  # False once draining
+    metrics: WorkerMetrics
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
                 renew_s: float = 0.0, prompt_ids: list[int] | None = None,
@@ -158,44 +162,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.DecodeResponse]:
-        domain = DecodeRequest(
-            wire.ticket_from_pb(request.ticket),
-            list(request.prompt_token_ids),
-            request.first_token,
-            wire.sampling_from_pb(request.sampling),
-            request.local_prefill,
-        )
-        attrs: dict[str, Any] = {
-            "request_id": request.ticket.request_id,
-            "worker_id": self.worker.worker_id,
-            "model": self.worker.model_id,
-        }
-        spans = [tracing.start_span("decode.admission", kind=tracing.SERVER, **attrs)]
-        tokens, reason = 0, ""
-        try:
-            for ev in self.worker.decode(domain):
-                if len(spans) == 1:  # the first message: the sequence is live in the batch
-                    spans[0].set_attributes({"decode_start_ms": ev.decode_start_ms,
-                                             # as Timing says it (co-located: "prefill")
-                                             "prefill_on": "decode" if domain.local_prefill
-                                             and self.worker.role == "decode" else "prefill",
-                                             "prefill_ms": ev.prefill_ms,
-                                             "cached_tokens": ev.cached_tokens})
-                    spans[0].end()
-                    spans.append(tracing.start_span("decode.stream", kind=tracing.SERVER, **attrs))
-                tokens += len(ev.token_ids)
-                reason = ev.finish_reason or reason
-                yield decode_pb2.DecodeResponse(token_ids=ev.token_ids,
-                                                finish_reason=ev.finish_reason,
-                                                decode_start_ms=ev.decode_start_ms,
-                                                prefill_ms=ev.prefill_ms, queue_ms=ev.queue_ms,
-                                                cached_tokens=ev.cached_tokens)
-        except BaseException as exc:
-            tracing.record_error(spans[-1], exc)
-            raise
-        finally:
-            spans[-1].set_attributes({"completion_tokens": tokens, "finish_reason": reason})
-            spans[-1].end()
+        self.worker.metrics.decode_starts.labels("own").inc()
+        return decode_messages(self.worker, request)
+
+    def DecodeMany(self, requests: Iterator[decode_pb2.DecodeManyRequest],
+                   context: grpc.ServicerContext) -> Iterator[decode_pb2.DecodeManyResponse]:
+        def messages(request: decode_pb2.DecodeRequest) -> Iterator[decode_pb2.DecodeResponse]:
+            self.worker.metrics.decode_starts.labels("shared").inc()
+            return decode_messages(self.worker, request)
+
+        return DecodeMux(self.worker, messages, requests, context).serve()
 
     def Renew(self, request: decode_pb2.RenewRequest, context: grpc.ServicerContext
               ) -> decode_pb2.RenewResponse:
@@ -215,6 +191,49 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
         return _cache_events(self.worker, request, context)
+
+
+def decode_messages(worker: DecodeBackend, request: decode_pb2.DecodeRequest
+                    ) -> Iterator[decode_pb2.DecodeResponse]:
+    """One sequence's Decode messages (the Decode call's, and each sequence's on DecodeMany)."""
+    domain = DecodeRequest(
+        wire.ticket_from_pb(request.ticket),
+        list(request.prompt_token_ids),
+        request.first_token,
+        wire.sampling_from_pb(request.sampling),
+        request.local_prefill,
+    )
+    attrs: dict[str, Any] = {
+        "request_id": request.ticket.request_id,
+        "worker_id": worker.worker_id,
+        "model": worker.model_id,
+    }
+    spans = [tracing.start_span("decode.admission", kind=tracing.SERVER, **attrs)]
+    tokens, reason = 0, ""
+    try:
+        for ev in worker.decode(domain):
+            if len(spans) == 1:  # the first message: the sequence is live in the batch
+                spans[0].set_attributes({"decode_start_ms": ev.decode_start_ms,
+                                         # as Timing says it (co-located: "prefill")
+                                         "prefill_on": "decode" if domain.local_prefill
+                                         and worker.role == "decode" else "prefill",
+                                         "prefill_ms": ev.prefill_ms,
+                                         "cached_tokens": ev.cached_tokens})
+                spans[0].end()
+                spans.append(tracing.start_span("decode.stream", kind=tracing.SERVER, **attrs))
+            tokens += len(ev.token_ids)
+            reason = ev.finish_reason or reason
+            yield decode_pb2.DecodeResponse(token_ids=ev.token_ids,
+                                            finish_reason=ev.finish_reason,
+                                            decode_start_ms=ev.decode_start_ms,
+                                            prefill_ms=ev.prefill_ms, queue_ms=ev.queue_ms,
+                                            cached_tokens=ev.cached_tokens)
+    except BaseException as exc:
+        tracing.record_error(spans[-1], exc)
+        raise
+    finally:
+        spans[-1].set_attributes({"completion_tokens": tokens, "finish_reason": reason})
+        spans[-1].end()
 
 
 def _prefill_here(request: decode_pb2.ReserveRequest) -> PrefillHere | None:

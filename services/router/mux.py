@@ -1,0 +1,194 @@
+"""The router's decode streams: every sequence a router runs on one decode worker shares one
+DecodeMany stream, whose messages carry an engine step's tokens for all of them.
+
+    streams = DecodeStreams(stub, address)      # one per decode worker, connects when used
+    seq = streams.open(request, traceparent, metadata)
+    first = next(seq)                           # DecodeResponse, as a Decode call's
+    for message in seq: ...                     # ends after the finish; errors as RpcError
+    seq.cancel()                                # like call.cancel(): aborts it on the worker
+
+A `SequenceStream` reads like the Decode call it replaces (iterator, `cancel()`, errors
+raised as `grpc.RpcError` with `code()` and `details()`), so the lifecycle does not know
+which it has. One reader thread per worker hands each update to its sequence; the stream
+failing ends every sequence on it with the stream's status, and the next `open` starts a
+new stream. A worker without DecodeMany (UNIMPLEMENTED) gets a Decode call per sequence
+from then on, those caught waiting included.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger("pdserve.router")
+
+Metadata = tuple[tuple[str, str], ...] | None
+
+
+class SequenceFailed(grpc.RpcError):
+    """A sequence's status on a shared stream: what its own Decode call would have raised."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _status(name: str) -> grpc.StatusCode:
+    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
+
+
+class SequenceStream:
+    """One sequence's messages on a shared stream (or on its own call, see `delegate`)."""
+
+    def __init__(self, streams: DecodeStreams, request: decode_pb2.DecodeRequest,
+                 metadata: Metadata):
+        self.request = request
+        self.metadata = metadata  # for a Decode call of its own (delegate)
+        self._streams = streams
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call: Any = None  # a Decode call of its own, once delegated and reached
+        self._delegated: Any = None
+        self._over = False
+
+    def put(self, item: decode_pb2.SequenceUpdate | BaseException) -> None:
+        self._items.put(item)
+
+    def delegate(self, call: Any) -> None:
+        """From now on the messages come from `call`, a Decode call of the sequence's own."""
+        self._delegated = call
+        self._items.put(_Delegated(call))
+
+    def __iter__(self) -> Iterator[decode_pb2.DecodeResponse]:
+        return self
+
+    def __next__(self) -> decode_pb2.DecodeResponse:
+        if self._call is not None:
+            return next(self._call)  # type: ignore[no-any-return]
+        if self._over:
+            raise StopIteration
+        item = self._items.get()
+        if isinstance(item, _Delegated):
+            self._call = item.call
+            return next(self._call)  # type: ignore[no-any-return]
+        if isinstance(item, BaseException):
+            self._over = True
+            raise item
+        if item.last:
+            self._over = True
+            if item.error_code:
+                raise SequenceFailed(_status(item.error_code), item.error_message)
+            if not item.HasField("message"):
+                raise StopIteration
+        return item.message  # type: ignore[no-any-return]
+
+    def cancel(self) -> None:
+        """Stop the sequence (a no-op once it ended): the worker aborts it; a reader waiting
+        here gets CANCELLED."""
+        call = self._call or self._delegated
+        if call is not None:
+            call.cancel()
+            return
+        if self._streams.cancel(self):
+            self._items.put(SequenceFailed(grpc.StatusCode.CANCELLED,
+                                           "Locally cancelled by application!"))
+
+
+class _Delegated:
+    def __init__(self, call: Any):
+        self.call = call
+
+
+class DecodeStreams:
+    """The shared DecodeMany stream to one decode worker (thread-safe)."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str):
+        self._stub = stub
+        self._address = address
+        self._lock = threading.Lock()
+        self._live: dict[str, SequenceStream] = {}
+        self._requests: queue.SimpleQueue[decode_pb2.DecodeManyRequest | None] | None = None
+        self._call: Any = None
+        self._unsupported = False  # the worker has no DecodeMany: a call per sequence
+
+    def open(self, request: decode_pb2.DecodeRequest, traceparent: str,
+             metadata: Metadata) -> SequenceStream | Any:
+        """Start the sequence of `request` on the shared stream; its message stream."""
+        seq = SequenceStream(self, request, metadata)
+        with self._lock:
+            if not self._unsupported:
+                if self._requests is None:
+                    self._connect()
+                assert self._requests is not None
+                self._live[request.ticket.request_id] = seq
+                self._requests.put(decode_pb2.DecodeManyRequest(start=request,
+                                                                traceparent=traceparent))
+                return seq
+        return self._stub.Decode(request, metadata=metadata)
+
+    def cancel(self, seq: SequenceStream) -> bool:
+        """Forget `seq` and ask the worker to abort it; False when it had already ended."""
+        rid = seq.request.ticket.request_id
+        with self._lock:
+            if self._live.get(rid) is not seq:
+                return False
+            del self._live[rid]
+            if self._requests is not None:
+                self._requests.put(decode_pb2.DecodeManyRequest(cancel=seq.request.ticket))
+        return True
+
+    def close(self) -> None:
+        """End the stream (the router is stopping): the worker aborts what is left on it."""
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _connect(self) -> None:  # lock held
+        requests: queue.SimpleQueue[decode_pb2.DecodeManyRequest | None] = queue.SimpleQueue()
+        call = self._stub.DecodeMany(iter(requests.get, None))
+        self._requests, self._call = requests, call
+        threading.Thread(target=self._read, args=(call, requests), daemon=True,
+                         name=f"router-decode-many-{self._address}"[:40]).start()
+
+    def _read(self, call: Any, requests: queue.SimpleQueue[Any]) -> None:
+        """Hand each update to its sequence until the stream ends; then end those left."""
+        error = SequenceFailed(grpc.StatusCode.UNAVAILABLE,
+                               f"decode {self._address} ended the shared decode stream")
+        try:
+            for response in call:
+                for update in response.updates:
+                    rid = update.request_id
+                    with self._lock:
+                        seq = self._live.pop(rid, None) if update.last else self._live.get(rid)
+                    if seq is not None:
+                        seq.put(update)
+        except grpc.RpcError as exc:
+            error = SequenceFailed(exc.code(), exc.details() or "")
+        with self._lock:
+            if self._requests is requests:
+                self._requests, self._call = None, None
+            orphans, self._live = list(self._live.values()), {}
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._unsupported = True
+        requests.put(None)  # ends the request side
+        if self._unsupported:
+            log.info("decode %s has no DecodeMany: one Decode call per sequence", self._address)
+            for seq in orphans:
+                seq.delegate(self._stub.Decode(seq.request, metadata=seq.metadata))
+            return
+        log.info("decode %s: shared decode stream ended (%s); %d sequences on it fail",
+                 self._address, error.code().name, len(orphans))
+        for seq in orphans:
+            seq.put(error)
