@@ -15,7 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pdserve.v1 import common_pb2, decode_pb2, kvtransfer_pb2, prefill_pb2, router_pb2
 
-from tests.faults.protofuzz import FUZZ, TEXT, check_outcome, raw_stream, raw_unary, wire_requests
+from tests.faults.protofuzz import (
+    BAD_CODES,
+    FUZZ,
+    TEXT,
+    check_outcome,
+    raw_stream,
+    raw_unary,
+    wire_requests,
+)
 from tests.faults.stack import FaultStack
 
 pytestmark = pytest.mark.faults
@@ -151,8 +159,32 @@ def test_decode_rpcs(guarded):
                     max_examples=25)
     _fuzz_stream(fs, "decode-0", "/pdserve.v1.Decode/Decode", decode_pb2.DecodeRequest,
                  overrides, max_examples=25)
+    _fuzz_decode_many(fs, overrides, max_examples=25)
     for ticket in granted:
         abort(decode_pb2.AbortRequest(ticket=ticket).SerializeToString(), timeout=10)
+
+
+def _fuzz_decode_many(fs: FaultStack, overrides, max_examples: int) -> None:
+    """One bent message on a DecodeMany stream: the stream ends with a named status, or each
+    sequence's update names its own (never UNKNOWN / INTERNAL, always with a message)."""
+    method = "/pdserve.v1.Decode/DecodeMany"
+    stub = fs.channel("decode-0").stream_stream(
+        method, request_serializer=lambda b: b,
+        response_deserializer=decode_pb2.DecodeManyResponse.FromString)
+    template = decode_pb2.DecodeManyRequest(start=_templates(fs)["DecodeRequest"])
+
+    def updates(request: bytes) -> None:
+        for response in stub(iter([request]), timeout=DEADLINE_S):
+            for u in response.updates:
+                assert u.error_code not in BAD_CODES, f"{u.error_code} {u.error_message!r}"
+                assert not u.error_code or u.error_message.strip(), u
+
+    @settings(FUZZ, max_examples=max_examples)
+    @given(wire_requests(decode_pb2.DecodeManyRequest, overrides, template))
+    def run(request: bytes) -> None:
+        check_outcome(method, request, lambda: updates(request), allow_deadline=True)
+
+    run()
 
 
 @pytest.mark.parametrize("agent", ["agent-a", "agent-b"])
