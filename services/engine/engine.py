@@ -36,6 +36,7 @@ from pdserve.engine.batch import Batch
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
 from pdserve.engine.preemption import ensure_decode_pages
+from pdserve.engine.prefill_order import prefill_order
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
@@ -57,6 +58,8 @@ class EngineConfig:
     # step that packs several prompts gives each its first token only at its end, and holds
     # every running sequence's next token as long.
     prompts_beside_decodes: int = 0
+    # Prefill role: prompts waiting longer than this go first, oldest first (see prefill_order).
+    prefill_age_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -66,6 +69,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not self.prefill_age_s >= 0:
+            raise ValueError(f"prefill_age_s must be >= 0, got {self.prefill_age_s}")
         if self.prompts_beside_decodes < 0:
             raise ValueError(f"prompts_beside_decodes must be >= 0, got "
                              f"{self.prompts_beside_decodes}")
@@ -262,11 +267,16 @@ class Engine:
         plan: list[tuple[Sequence, int]] = []
         live = len(self.running)
         most = self.config.prompts_beside_decodes if self.running else 0
-        for seq in self.waiting:
-            if budget <= 0 or (self.config.role != "prefill" and live >= self.config.max_num_seqs):
+        prefill = self.config.role == "prefill"
+        partial = False  # a prompt this step leaves unfinished is planned (prefill role)
+        for seq in prefill_order(self.waiting, self.config.prefill_age_s) if prefill \
+                else self.waiting:
+            if budget <= 0 or (not prefill and live >= self.config.max_num_seqs):
                 break
             if most and len(plan) == most:
                 break
+            if partial and seq.num_uncomputed > budget:
+                continue  # one unfinished prompt per step: a second would only delay both
             # All pages of the sequence's tokens at its first chunk, or none: sequences that
             # each hold part of what they need could otherwise wait on each other forever.
             if not self.allocator.owns(seq.seq_id):
@@ -278,7 +288,8 @@ class Engine:
                 if not self.allocator.can_allocate(need):
                     break
                 self.allocator.allocate(seq.seq_id, need)
-            chunk = min(seq.num_tokens - seq.num_cached, chunk_size, budget)
+            chunk = min(seq.num_uncomputed, chunk_size, budget)
+            partial = prefill and (partial or chunk < seq.num_uncomputed)
             plan.append((seq, chunk))
             budget -= chunk
             live += 1

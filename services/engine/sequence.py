@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 
 import torch
 from pdserve.engine.sampling import SamplingParams
@@ -30,6 +31,12 @@ class Sequence:
     page_keys: list[int] = dataclasses.field(default_factory=list)  # prefix-cache keys so far
     num_keyed: int = 0           # leading pages already offered to the prefix cache
     num_prefix_hit: int = 0      # prompt tokens found in the prefix cache at admission
+    queued_at: float = dataclasses.field(default_factory=time.perf_counter)  # when it came
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V are still to be computed (the rest of the prompt, when waiting)."""
+        return len(self.token_ids) - self.num_cached
 
     @property
     def num_tokens(self) -> int:

@@ -71,8 +71,8 @@ def test_prefill_role_packs_waiting_prompts_into_one_step(models):
     try:
         for rid, prompt in prompts.items():
             engine.add_request(rid, prompt, GREEDY)
-        first = engine.step()  # 5 + 32 + 17 tokens: one forward, no padding
-        assert [(o.seq_id, o.page_ids) for o in first if o.progress] == [("p1", [1, 2])]
+        first = engine.step()  # 5 + 17 + 32 tokens (shortest first): one forward, no padding
+        assert [(o.seq_id, o.page_ids) for o in first if o.progress] == [("p1", [3, 4])]
         first = [o for o in first if not o.progress]  # p1's first 2 pages are complete
         assert sorted(o.seq_id for o in first) == ["p0", "p2"]
         second = engine.step()  # p1's last 8 tokens
@@ -143,3 +143,45 @@ def test_one_prompt_per_step_beside_decodes_gives_each_its_first_token_a_step_so
 
     with pytest.raises(ValueError, match="prompts_beside_decodes must be >= 0"):
         EngineConfig(prompts_beside_decodes=-1)
+
+
+def test_prefill_role_finishes_one_long_prompt_before_the_next_and_lets_short_ones_pass(models):
+    """Shortest remaining first, at most one unfinished prompt per step: two long prompts run
+    one after the other (not side by side, which finishes both late), and a short prompt that
+    arrives behind them goes into the next step. Past the ageing bound, arrival order."""
+    hf, model = models
+    engine = Engine(model, EngineConfig(role="prefill", num_pages=64, chunk_size=32,
+                                        max_prefill_tokens=64), eos_token_ids=[])
+    prompts = {"long-a": _prompt(90, 6), "long-b": _prompt(80, 7), "short": _prompt(9, 8)}
+    done: dict[str, list[int]] = {}
+
+    def step() -> list[tuple[str, bool]]:
+        outs = engine.step()
+        for o in outs:
+            if not o.progress:
+                done[o.seq_id] = [o.token]
+                assert engine.release_prefilled(o.seq_id) > 0
+        return sorted((o.seq_id, o.progress) for o in outs)
+
+    try:
+        engine.add_request("long-a", prompts["long-a"], GREEDY)
+        engine.add_request("long-b", prompts["long-b"], GREEDY)
+        assert step() == [("long-b", True)]  # 32 of the shorter one; long-a waits
+        engine.add_request("short", prompts["short"], GREEDY)
+        assert step() == [("long-b", True), ("short", False)]  # 9 + 32; long-a waits
+        assert step() == [("long-a", True), ("long-b", False)]  # long-b's last 16, then 32
+        assert [step(), step()] == [[("long-a", True)], [("long-a", False)]]
+        for rid, prompt in prompts.items():
+            assert done[rid] == _reference(hf, prompt, 1)
+        assert engine.allocator.num_free == engine.config.num_pages
+    finally:
+        engine.close()
+    aged = Engine(model, EngineConfig(role="prefill", num_pages=64, chunk_size=32,
+                                      max_prefill_tokens=64, prefill_age_s=0.0),
+                  eos_token_ids=[])
+    try:  # every prompt past the bound: oldest first, still one unfinished per step
+        aged.add_request("long-a", prompts["long-a"], GREEDY)
+        aged.add_request("long-b", prompts["long-b"], GREEDY)
+        assert [o.seq_id for o in aged.step()] == ["long-a"]
+    finally:
+        aged.close()
