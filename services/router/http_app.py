@@ -182,7 +182,7 @@ class HttpApi:
             return self._unknown_model(parsed.model)
         scope = CallScope()
         stream = EventStream(lambda: self._lifecycle.generate(parsed.input, scope, received,
-                                                              api=API),
+                                                              api=API, parking=True),
                              scope, asyncio.get_running_loop())
         context = tracing.caller_context({k: request.headers[k] for k in TRACE_HEADERS
                                           if k in request.headers})

@@ -1,12 +1,17 @@
 """One request's lifecycle, a blocking generator, run on a worker thread and read from asyncio.
 
-    stream = EventStream(run, scope, loop)       # run: () -> Iterator[StreamEvent]
-    stream.start(executor, context)              # the thread iterates run() to its end
+    stream = EventStream(run, scope, loop)       # run: () -> Iterator[StreamEvent | Parked]
+    stream.start(executor, context)              # a pool thread iterates run()
     while events := await stream.batch():        # every event that arrived since the last call
         ...
     stream.cancel()                              # client gone: CallScope.cancel() -> workers
 
-The thread appends each event to a list under a lock and wakes the event loop only when the
+Where the lifecycle parks (`Parked`: its next token has not come on the decode worker's
+shared stream), the thread lets go and the stream resumes it: the shared stream's reader
+thread relays each token itself, for every sequence on it, with no thread woken per token
+(`inline`); anything else resumes it on a pool thread. One thread at a time iterates it.
+
+Each event is appended to a list under a lock, and the event loop is woken only when the
 reader is waiting, so a reader that falls behind takes many events per wake-up (one
 `call_soon_threadsafe` per batch, not per token). The lifecycle's error, if any, is raised by
 `batch()` once every event before it was read.
@@ -23,6 +28,7 @@ from concurrent.futures import Executor
 
 from pdserve.router.api import Finish, StreamEvent
 from pdserve.router.cancel import CallScope
+from pdserve.router.started import Parked
 
 log = logging.getLogger("pdserve.router")
 
@@ -30,7 +36,7 @@ log = logging.getLogger("pdserve.router")
 class EventStream:
     """The events of one request, handed from its worker thread to the event loop."""
 
-    def __init__(self, run: Callable[[], Iterator[StreamEvent]], scope: CallScope,
+    def __init__(self, run: Callable[[], Iterator[StreamEvent | Parked]], scope: CallScope,
                  loop: asyncio.AbstractEventLoop):
         self._run = run
         self._scope = scope
@@ -41,16 +47,40 @@ class EventStream:
         self._ended = False
         self._error: BaseException | None = None
         self.finished = False  # a Finish event was produced: the request succeeded
+        self._executor: Executor | None = None
+        self._context = contextvars.Context()
+        self._source: Iterator[StreamEvent | Parked] = iter(())
 
     def start(self, executor: Executor, context: contextvars.Context) -> None:
         """Run the lifecycle on one of `executor`'s threads, in `context` (the caller's trace).
         Raises RuntimeError when the executor is shut down."""
-        executor.submit(context.run, self._produce)
+        self._executor, self._context = executor, context
+        self._source = self._run()
+        executor.submit(self._drive)
 
-    def _produce(self) -> None:
+    def _drive(self) -> None:
+        """Iterate the lifecycle until it ends or parks (see `Parked`)."""
+        while True:
+            parked = self._context.run(self._advance)
+            if parked is None or parked.park(self._resume):
+                return
+
+    def _resume(self, inline: bool) -> None:
+        if inline:  # on the shared decode stream's reader: relay the token right here
+            self._drive()
+            return
+        try:
+            assert self._executor is not None  # started
+            self._executor.submit(self._drive)
+        except RuntimeError:  # shut down (the router is stopping): finish on a thread of its own
+            threading.Thread(target=self._drive, name="router-http-finish", daemon=True).start()
+
+    def _advance(self) -> Parked | None:
         error: BaseException | None = None
         try:
-            for event in self._run():
+            for event in self._source:
+                if isinstance(event, Parked):
+                    return event
                 if isinstance(event, Finish):
                     self.finished = True
                 self._push(event)
@@ -61,6 +91,7 @@ class EventStream:
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             self._loop.call_soon_threadsafe(_wake, waiter)
+        return None
 
     def _push(self, event: StreamEvent) -> None:
         with self._lock:

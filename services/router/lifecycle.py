@@ -43,7 +43,7 @@ from pdserve.router.detokenizer import OutputText
 from pdserve.router.placement import DEFAULT_WEIGHTS, Weights
 from pdserve.router.pool import WorkerPool
 from pdserve.router.record import RequestRecord
-from pdserve.router.started import DecodeStream, Started
+from pdserve.router.started import DecodeStream, Parked, Started
 from pdserve.router.timing import TokenClock, queue_ms
 from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import Generation, validate
@@ -135,10 +135,13 @@ class Lifecycle:
         return min(limits, default=None)
 
     def generate(self, request: GenerateInput, scope: CallScope,
-                 received: float | None = None, *, api: str = "grpc"
-                 ) -> Iterator[StreamEvent]:
+                 received: float | None = None, *, api: str = "grpc", parking: bool = False
+                 ) -> Iterator[StreamEvent | Parked]:
         """The event stream of one request. Raises `ServiceError` for a failed request; ends
-        quietly when the client cancelled. `api` names the front door in metrics and logs."""
+        quietly when the client cancelled. `api` names the front door in metrics and logs.
+
+        `parking`: yield `Parked` instead of waiting for the decode worker's next message on
+        a shared stream (the caller parks the stream and goes; see http_bridge)."""
         received = self._clock() if received is None else received
         span = tracing.start_span("router.generate", kind=tracing.SERVER, model=self.model_name)
         record = RequestRecord(request_id=request.request_id or "-", api=api,
@@ -162,7 +165,7 @@ class Lifecycle:
                 started = self._runner.run(gen, scope, ends_at_first_token)
             with scope.guard(started.reservation.release_nowait):
                 yield from self._stream(gen, started, completions[-1], scope, received, record,
-                                        span)
+                                        span, parking)
         except (ClientCancelled, GeneratorExit) as exc:
             record.status = "CANCELLED"
             tracing.record_error(span, exc)
@@ -188,7 +191,7 @@ class Lifecycle:
 
     def _stream(self, gen: Generation, started: Started, completion: Completion,
                 scope: CallScope, received: float, record: RequestRecord,
-                span: tracing.Span) -> Iterator[StreamEvent]:
+                span: tracing.Span, parking: bool) -> Iterator[StreamEvent | Parked]:
         rid = gen.request_id
         reservation = started.reservation
         clock = TokenClock(received)
@@ -214,7 +217,7 @@ class Lifecycle:
             else:
                 decode_finished = yield from self._relay(started.decode, first_delta, completion,
                                                          timing, clock, record, scope,
-                                                         reservation.address)
+                                                         reservation.address, parking)
             self._settle(started, decode_finished, completion, scope)
             record.finish_reason = completion.finish_reason
             record.completion_tokens = completion.tokens
@@ -236,7 +239,8 @@ class Lifecycle:
         record: RequestRecord,
         scope: CallScope,
         address: str,
-    ) -> Generator[StreamEvent, None, bool]:
+        parking: bool,
+    ) -> Generator[StreamEvent | Parked, None, bool]:
         """Relay decode's stream; returns True when decode itself finished the sequence."""
         timing.decode_start_ms = stream.first.decode_start_ms
         record.decode_start_ms = timing.decode_start_ms
@@ -247,7 +251,10 @@ class Lifecycle:
                 yield first_delta
                 yield self._first_sent(clock, timing, record)
                 try:
-                    for message in stream.messages():
+                    for message in stream.messages(parking):
+                        if isinstance(message, Parked):
+                            yield message
+                            continue
                         failpoints.hit("router.decoding", rid)
                         taken, text = completion.accept(message.token_ids)
                         if message.finish_reason and not completion.finish_reason:
@@ -261,6 +268,8 @@ class Lifecycle:
                             if gap_s is not None:
                                 self.metrics.itl.observe(gap_s)
                         if completion.finish_reason:
+                            if parking and not message.finish_reason:  # the router ends it:
+                                yield Parked(None)  # its release blocks, not on the reader
                             return bool(message.finish_reason)
                 except grpc.RpcError as exc:
                     if scope.cancelled:

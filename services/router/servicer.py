@@ -10,6 +10,7 @@ import grpc
 from pdserve.router.api import ChatMessage, Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.cancel import CallScope
 from pdserve.router.lifecycle import Lifecycle
+from pdserve.router.started import Parked
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 
@@ -61,4 +62,5 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not context.add_callback(scope.cancel):  # the call already ended
             scope.cancel()
         for event in self._lifecycle.generate(input_from_pb(request), scope):
+            assert not isinstance(event, Parked)  # only with parking=True
             yield event_to_pb(event)

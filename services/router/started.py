@@ -3,11 +3,12 @@ the decode stream that goes on from there (`DecodeStream`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common import tracing
+from pdserve.router.mux import SequenceStream
 from pdserve.router.reservation import ReservationHandle
 from pdserve.v1 import decode_pb2, prefill_pb2
 
@@ -32,13 +33,43 @@ class Started:
 
 
 @dataclass
+class Parked:
+    """What a parking lifecycle (`Lifecycle.generate(parking=True)`) yields instead of waiting
+    for its decode stream: whoever iterates it stops and calls `park(resume)`; `resume(inline)`
+    comes once there is more (inline: on the thread that delivered it, which may go on
+    iterating there). `stream` None: go on, but not on the delivering thread (what follows
+    blocks: a release, the request's end)."""
+
+    stream: SequenceStream | None
+
+    def park(self, resume: Callable[[bool], None]) -> bool:
+        """False when nothing is to be waited for: iterate on at once."""
+        if self.stream is None:
+            resume(False)
+            return True
+        return self.stream.park(resume)
+
+
+@dataclass
 class DecodeStream:
     """An open Decode call: its first message (decode_start_ms), the rest, and its span."""
 
-    call: Any  # the grpc stream (iterator of DecodeResponse, with .cancel())
+    call: Any  # the grpc stream (iterator of DecodeResponse, with .cancel()), or SequenceStream
     first: decode_pb2.DecodeResponse
     span: tracing.Span
 
-    def messages(self) -> Iterator[decode_pb2.DecodeResponse]:
+    def messages(self, parking: bool = False) -> Iterator[decode_pb2.DecodeResponse | Parked]:
+        """The messages; with `parking`, `Parked` before each one that has not arrived yet on
+        a shared stream (instead of blocking)."""
         yield self.first
-        yield from self.call
+        call = self.call
+        if not (parking and isinstance(call, SequenceStream)):
+            yield from call
+            return
+        while True:
+            if not call.ready():
+                yield Parked(call)
+            try:
+                yield next(call)
+            except StopIteration:
+                return
