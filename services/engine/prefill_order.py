@@ -26,6 +26,8 @@ def prefill_order(waiting: Iterable[Sequence], age_s: float,
                   now: float | None = None) -> list[Sequence]:
     """`waiting` (in arrival order) as a prefill step should consider them."""
     now = time.perf_counter() if now is None else now
-    aged = [s for s in waiting if now - s.queued_at >= age_s]
-    fresh = [s for s in waiting if now - s.queued_at < age_s]
+    aged: list[Sequence] = []
+    fresh: list[Sequence] = []
+    for seq in waiting:
+        (aged if now - seq.queued_at >= age_s else fresh).append(seq)
     return aged + sorted(fresh, key=lambda s: s.num_uncomputed)  # stable: ties by arrival

@@ -33,6 +33,7 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 log = logging.getLogger("pdserve.router")
 
 Metadata = tuple[tuple[str, str], ...] | None
+_DELEGATED = object()  # queued where the messages go on on the sequence's own Decode call
 
 
 class SequenceFailed(grpc.RpcError):
@@ -65,10 +66,10 @@ class SequenceStream:
         self._lock = threading.Lock()
         self._resume: Callable[[bool], None] | None = None  # a parked reader (see `park`)
         self._call: Any = None  # a Decode call of its own, once delegated and reached
-        self._delegated: Any = None
+        self._delegated: Any = None  # that call, as soon as it is made
         self._over = False
 
-    def put(self, item: decode_pb2.SequenceUpdate | BaseException | _Delegated, *,
+    def put(self, item: decode_pb2.SequenceUpdate | BaseException | object, *,
             inline: bool = False) -> None:
         """Deliver `item`; a parked reader is resumed (`inline`: on this thread)."""
         self._items.put(item)
@@ -80,7 +81,7 @@ class SequenceStream:
     def delegate(self, call: Any) -> None:
         """From now on the messages come from `call`, a Decode call of the sequence's own."""
         self._delegated = call
-        self.put(_Delegated(call))
+        self.put(_DELEGATED)
 
     def ready(self) -> bool:
         """`next` would not wait on the shared stream (an item is there, or it ended)."""
@@ -105,8 +106,8 @@ class SequenceStream:
         if self._over:
             raise StopIteration
         item = self._items.get()
-        if isinstance(item, _Delegated):
-            self._call = item.call
+        if item is _DELEGATED:
+            self._call = self._delegated
             return next(self._call)  # type: ignore[no-any-return]
         if isinstance(item, BaseException):
             self._over = True
@@ -128,11 +129,6 @@ class SequenceStream:
             return
         if self._streams.cancel(self):
             self.put(SequenceFailed(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
-
-
-class _Delegated:
-    def __init__(self, call: Any):
-        self.call = call
 
 
 class DecodeStreams:
