@@ -91,8 +91,11 @@ def server(system: str, model_dir: Path, args: argparse.Namespace) -> Iterator[s
             cmd.append("--colocated")
         if system.endswith("-nocache"):
             cmd.append("--no-prefix-cache")
-        if "-min" in system:  # pdserve-disaggregated-min256: --remote-prefill-min-tokens 256
-            env["PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS"] = system.rsplit("-min", 1)[1]
+        for part in system.split("-")[2:]:
+            if part.startswith("min"):  # pdserve-disaggregated-min256: its router's
+                env["PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS"] = part[3:]  # decode-first bound
+            elif part.startswith("chunk"):  # -chunk64: its decode workers' --chunk-size
+                env["PDSERVE_DECODE_CHUNK_SIZE"] = part[5:]
         if system.startswith("pdserve-2p2d"):  # -min0 too: every prompt through the prefill pool
             cmd += ["--prefill", "2", "--decode", "2", "--no-cpu-partition"]
         ready_s = 180.0

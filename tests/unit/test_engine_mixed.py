@@ -145,6 +145,46 @@ def test_one_prompt_per_step_beside_decodes_gives_each_its_first_token_a_step_so
         EngineConfig(prompts_beside_decodes=-1)
 
 
+def test_a_decode_workers_defaults_chunk_its_own_prompts_beside_the_batch(models):
+    """The decode worker's defaults (`pdserve decode`: --chunk-size 64, one prompt per step):
+    a prompt it computes itself while a sequence decodes rides in 64-token chunks, so the
+    decoding sequence gets a token at every step and the prompt its first token at its third
+    step (150 tokens); with nothing decoding, a prompt takes one step. Tokens stay exact."""
+    from pdserve.decode.main import DecodeConfig
+
+    hf, model = models
+    defaults = DecodeConfig()
+    assert defaults.chunk_size == 64
+    engine = Engine(model, EngineConfig(role="decode", num_pages=64,
+                                        chunk_size=defaults.chunk_size,
+                                        prompts_beside_decodes=defaults.prompts_beside_decodes),
+                    eos_token_ids=[])
+    prompts = {"a": _prompt(150, 6), "b": _prompt(150, 7)}
+    tokens: dict[str, list[int]] = {k: [] for k in prompts}
+    try:
+        engine.add_request("a", prompts["a"], GREEDY)
+        first = engine.step()  # alone: the whole prompt in one step
+        assert [o.seq_id for o in first] == ["a"]
+        tokens["a"].append(first[0].token or 0)
+        engine.add_request("b", prompts["b"], GREEDY)
+        steps_to_b = 0
+        while not tokens["b"]:
+            outs = {o.seq_id: o.token or 0 for o in engine.step()}
+            steps_to_b += 1
+            assert "a" in outs  # a token for the decoding sequence at every step
+            for seq_id, token in outs.items():
+                tokens[seq_id].append(token)
+        assert steps_to_b == 3  # 64 + 64 + 22
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.seq_id].append(out.token or 0)
+        assert tokens["b"] == _reference(hf, prompts["b"])
+        assert tokens["a"] == _reference(hf, prompts["a"])
+        assert engine.allocator.num_free == engine.config.num_pages
+    finally:
+        engine.close()
+
+
 def test_prefill_role_finishes_one_long_prompt_before_the_next_and_lets_short_ones_pass(models):
     """Shortest remaining first, at most one unfinished prompt per step: two long prompts run
     one after the other (not side by side, which finishes both late), and a short prompt that
