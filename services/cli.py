@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kvtransfer": ("pdserve.kvtransfer.main", "the per-host KV transfer agent (UCX or TCP)"),
     "colocated": ("pdserve.colocated.main",
                   "one engine doing prefill and decode (comparison baseline)"),
+    "sim": ("pdserve.sim.host", "simulated prefill/decode workers (real protocols, profiled "
+                                "times): a large pool for a real router on one machine"),
     "certs": ("pdserve.certs", "make a throwaway CA and certificates: pdserve certs create DIR"),
     "model": ("pdserve.engine.builtin",
               "create a built-in model: pdserve model create tiny|small|bench-7m|bench-152m DIR"),

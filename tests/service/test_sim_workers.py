@@ -1,0 +1,111 @@
+"""`pdserve sim`: simulated workers speak the real protocols well enough for a real router.
+
+A real router process in front of 8 simulated prefill and 8 simulated decode workers (one
+`pdserve sim` process, each worker on its own loopback address): concurrent requests come back
+with the tokens the simulation promises (the prompt's own, cycled), the profile's prefill time
+in their Timing, over the prefill pool and the handoff or decode-first, spread over the pools;
+every reservation's pages come back. The profile and the addresses are checked on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from pdserve.sim.host import SimConfig
+from pdserve.sim.profile import SimProfile
+from pdserve.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+
+from tests.support import free_port, pdserve_argv, running
+
+pytestmark = pytest.mark.service
+WORKERS = 8
+
+
+def test_profile_times_and_a_profile_file(tmp_path) -> None:
+    p = SimProfile(prefill_base_ms=1.0, prefill_ms_per_token=0.5, decode_base_ms=2.0,
+                   decode_ms_per_seq=0.25, handoff_base_ms=0.5, handoff_gb_s=2.0,
+                   block_size=16)
+    assert p.prefill_ms(10) == 6.0
+    assert p.decode_step_ms(4) == 3.0
+    assert p.handoff_ms(4_000_000) == 2.5  # 0.5 + 4 MB at 2 GB/s
+    assert (p.pages(1), p.pages(16), p.pages(17)) == (1, 1, 2)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"prefill_ms_per_token": 0.1, "num_pages": 64}))
+    loaded = SimProfile.load(path)
+    assert (loaded.prefill_ms_per_token, loaded.num_pages) == (0.1, 64)
+    assert loaded.decode_base_ms == SimProfile().decode_base_ms
+    path.write_text(json.dumps({"prefill_ms": 3}))
+    with pytest.raises(ValueError, match="unknown field.*prefill_ms"):
+        SimProfile.load(path)
+    with pytest.raises(ValueError, match="block_size=0"):
+        SimProfile(block_size=0)
+
+
+def test_addresses_and_refusals() -> None:
+    cfg = SimConfig(prefill=2, decode=300, first_address="127.0.1.250", prefill_port=5,
+                    decode_port=6)
+    assert cfg.addresses("prefill") == ["127.0.1.250:5", "127.0.1.251:5"]
+    assert cfg.addresses("decode")[6] == "127.0.2.0:6"  # on past the octet
+    with pytest.raises(ValueError, match="loopback"):
+        SimConfig(first_address="10.0.0.1")
+    with pytest.raises(ValueError, match="loopback"):
+        SimConfig(decode=10, first_address="127.255.255.250")
+    with pytest.raises(ValueError, match="decode_port"):
+        SimConfig(prefill_port=7, decode_port=7)
+
+
+def _generate(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_tokens: int
+              ) -> tuple[list[int], dict]:
+    tokens, timing = [], None
+    for m in stub.Generate(router_pb2.GenerateRequest(token_ids=prompt, max_tokens=max_tokens,
+                                                      temperature=0.0), timeout=60):
+        if m.HasField("delta"):
+            tokens += list(m.delta.token_ids)
+        if m.HasField("timing"):
+            timing = m.timing
+    assert timing is not None
+    return tokens, {"prefill_ms": timing.prefill_ms, "transport": timing.kv_transport,
+                    "prefill": timing.prefill_worker, "decode": timing.decode_worker}
+
+
+@pytest.mark.parametrize("remote_min", ["0", "256"])
+def test_a_real_router_drives_a_simulated_pool(tiny_model_dir, remote_min) -> None:
+    first = f"127.{os.getpid() % 200 + 20}.{int(remote_min) % 250}.1"
+    pport, dport, rport = free_port(), free_port(), free_port()
+    sim = pdserve_argv("sim", "--prefill", str(WORKERS), "--decode", str(WORKERS),
+                       "--first-address", first, "--prefill-port", str(pport),
+                       "--decode-port", str(dport))
+    cfg = SimConfig(prefill=WORKERS, decode=WORKERS, first_address=first, prefill_port=pport,
+                    decode_port=dport)
+    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    router = pdserve_argv("router", "--model", str(tiny_model_dir), "--port", str(rport),
+                          "--http-port", "-1", "--metrics-port", "-1", "--prefill",
+                          ",".join(prefill), "--decode", ",".join(decode),
+                          "--remote-prefill-min-tokens", remote_min)
+    profile = SimProfile()
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(20 + i)] for i in range(32)]
+    with running(sim, decode[-1]), running(router, f"127.0.0.1:{rport}"), \
+            grpc.insecure_channel(f"127.0.0.1:{rport}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda p: _generate(stub, p, 6), prompts))
+        for prompt, (tokens, timing) in zip(prompts, results):
+            assert tokens == [prompt[k % len(prompt)] for k in range(6)]
+            assert timing["prefill_ms"] == pytest.approx(profile.prefill_ms(len(prompt)))
+            assert timing["transport"] == ("sim" if remote_min == "0" else "")
+        used_decode = {t["decode"] for _, t in results}
+        used_prefill = {t["prefill"] for _, t in results}
+        assert len(used_decode) >= 4, used_decode  # spread, not one worker
+        if remote_min == "0":
+            assert len(used_prefill) >= 4 and all(w.startswith("prefill@") for w in used_prefill)
+        else:  # decode-first: each prompt computed where it decodes
+            assert all(t["prefill"] == t["decode"] for _, t in results)
+        for address in decode:  # every reservation's pages back
+            with grpc.insecure_channel(address) as ch:
+                stats = decode_pb2_grpc.DecodeStub(ch).Stats(common_pb2.StatsRequest(), timeout=5)
+            assert stats.free_pages == stats.num_pages == profile.num_pages, address
+            assert stats.running_sequences == stats.reserved_tickets == 0
