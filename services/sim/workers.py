@@ -42,8 +42,10 @@ class _Held:
     expires: float
     reserved_at: float
     prefill_here: bool
-    live: asyncio.Queue[bool] | None = None  # a step's token (True) or an abort (False)
     renew_s: float = 0.0
+    started: bool = False  # its Decode call came: no lease any more
+    aborted: bool = False
+    live: asyncio.Queue[bool] | None = None  # in the batch: a step's token (True), abort (False)
 
 
 @dataclass
@@ -61,7 +63,7 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
     def _sweep(self) -> None:
         now = time.monotonic()
         for rid, held in list(self.held.items()):
-            if held.live is None and held.expires < now:
+            if not held.started and held.expires < now:
                 self._release(rid)
 
     def _release(self, rid: str) -> None:
@@ -101,25 +103,32 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
             held = self.held.get(ticket.request_id)
             if held is None or held.epoch != ticket.epoch:
                 not_held.append(ticket.request_id)
-            elif held.live is None:
+            elif not held.started:
                 held.expires = now + (request.renew_lease_ms / 1e3 or held.renew_s or 30.0)
         return decode_pb2.RenewResponse(not_held=not_held)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> decode_pb2.AbortResponse:
-        held = self.held.get(request.ticket.request_id)
-        if held is None or (request.ticket.epoch and held.epoch != request.ticket.epoch):
-            return decode_pb2.AbortResponse(found=False)
+        found = self.abort(request.ticket.request_id, request.ticket.epoch)
+        return decode_pb2.AbortResponse(found=found)
+
+    def abort(self, rid: str, epoch: int = 0) -> bool:
+        """End a reservation (pages back now) or a sequence (its stream ends with "abort")."""
+        held = self.held.get(rid)
+        if held is None or (epoch and held.epoch != epoch):
+            return False
         if held.live is not None:
-            held.live.put_nowait(False)  # its stream ends with "abort" and frees the pages
+            held.live.put_nowait(False)
+        elif held.started:  # still computing its prompt: it stops when that is done
+            held.aborted = True
         else:
-            self._release(request.ticket.request_id)
-        return decode_pb2.AbortResponse(found=True)
+            self._release(rid)
+        return True
 
     async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.WorkerStats:
         self._sweep()
-        live = sum(1 for h in self.held.values() if h.live is not None)
+        live = sum(1 for h in self.held.values() if h.started)
         return common_pb2.WorkerStats(worker_id=self.name, role="decode",
                                       num_pages=self.profile.num_pages,
                                       free_pages=self.free_pages, running_sequences=live,
@@ -158,22 +167,26 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
         """One sequence's Decode messages; raises `Refused` before the first."""
         rid, received = request.ticket.request_id, time.monotonic()
         held = self.held.get(rid)
-        if held is None or held.epoch != request.ticket.epoch or held.live is not None:
+        if held is None or held.epoch != request.ticket.epoch or held.started:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           f"ticket {rid} (epoch {request.ticket.epoch}) expired or it was aborted")
         prompt = list(request.prompt_token_ids) or [request.first_token]
         max_tokens = request.sampling.max_tokens or 16
-        held.live = asyncio.Queue()
+        held.started = True
         try:
             if request.local_prefill or held.prefill_here:  # computing since Reserve
                 prefill_ms = self.profile.prefill_ms(len(prompt))
                 await asyncio.sleep(max(0.0, held.reserved_at + prefill_ms / 1e3 - received))
+                if held.aborted:
+                    yield decode_pb2.DecodeResponse(finish_reason="abort")
+                    return
                 yield decode_pb2.DecodeResponse(
                     token_ids=[prompt[0]], finish_reason="length" if max_tokens == 1 else "",
                     prefill_ms=prefill_ms, decode_start_ms=0.1,
                     queue_ms=max(0.0, (received - held.reserved_at) * 1e3 - prefill_ms))
             else:
                 yield decode_pb2.DecodeResponse(decode_start_ms=0.1)
+            held.live = asyncio.Queue()
             if self.stepper is None:
                 self.stepper = asyncio.ensure_future(self._step())
             for k in range(1, max_tokens):
@@ -217,9 +230,7 @@ class _Mux:
                     continue
                 self.tasks[rid] = asyncio.ensure_future(self._run(rid, request.start))
             elif request.WhichOneof("kind") == "cancel" and request.cancel.request_id in self.tasks:
-                held = self.worker.held.get(request.cancel.request_id)
-                if held is not None and held.live is not None:
-                    held.live.put_nowait(False)
+                self.worker.abort(request.cancel.request_id, request.cancel.epoch)
 
     async def _run(self, rid: str, start: decode_pb2.DecodeRequest) -> None:
         last = decode_pb2.SequenceUpdate(request_id=rid, last=True)

@@ -19,7 +19,7 @@ from pdserve.sim.host import SimConfig
 from pdserve.sim.profile import SimProfile
 from pdserve.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
-from tests.support import free_port, pdserve_argv, running
+from tests.support import free_port, pdserve_argv, running, wait_for
 
 pytestmark = pytest.mark.service
 WORKERS = 8
@@ -104,8 +104,18 @@ def test_a_real_router_drives_a_simulated_pool(tiny_model_dir, remote_min) -> No
             assert len(used_prefill) >= 4 and all(w.startswith("prefill@") for w in used_prefill)
         else:  # decode-first: each prompt computed where it decodes
             assert all(t["prefill"] == t["decode"] for _, t in results)
-        for address in decode:  # every reservation's pages back
+        # A client that leaves mid-stream: the router aborts the sequence on the worker (its
+        # 3,000 tokens would take >= 9 s of simulated steps; the pages are back well before).
+        call = stub.Generate(router_pb2.GenerateRequest(token_ids=prompts[0], max_tokens=3000,
+                                                        temperature=0.0), timeout=60)
+        assert any(m.HasField("delta") for m in (next(call), next(call)))
+        call.cancel()
+
+        def idle(address: str) -> bool:
             with grpc.insecure_channel(address) as ch:
                 stats = decode_pb2_grpc.DecodeStub(ch).Stats(common_pb2.StatsRequest(), timeout=5)
-            assert stats.free_pages == stats.num_pages == profile.num_pages, address
-            assert stats.running_sequences == stats.reserved_tickets == 0
+            assert stats.num_pages == profile.num_pages
+            return (stats.free_pages == stats.num_pages
+                    and stats.running_sequences == stats.reserved_tickets == 0)
+
+        assert wait_for(lambda: all(idle(a) for a in decode), timeout_s=6)  # all pages back
