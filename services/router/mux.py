@@ -16,7 +16,8 @@ tokens wake no thread per token (router CPU per token 0.144 -> 0.10 ms, scenario
 last update of a sequence resumes it on a pool thread: its end releases and logs). The stream
 failing ends every sequence on it with the stream's status, and the next `open` starts a
 new stream. A worker without DecodeMany (UNIMPLEMENTED) gets a Decode call per sequence
-from then on, those caught waiting included.
+from then on, those caught waiting included. A stream no sequence has used for IDLE_CLOSE_S is
+closed by the pool's check round (`close_idle`); the next `open` starts a new one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +36,10 @@ log = logging.getLogger("pdserve.router")
 
 Metadata = tuple[tuple[str, str], ...] | None
 _DELEGATED = object()  # queued where the messages go on on the sequence's own Decode call
+# A stream with no sequence for this long is closed (`close_idle`, from the pool's check round):
+# an open one holds three threads here (grpc's request feeder and channel poller, our reader)
+# and one on the worker, which at hundreds of decode workers per router took the router's core.
+IDLE_CLOSE_S = 2.0
 
 
 class SequenceFailed(grpc.RpcError):
@@ -142,6 +148,7 @@ class DecodeStreams:
         self._requests: queue.SimpleQueue[decode_pb2.DecodeManyRequest | None] | None = None
         self._call: Any = None
         self._unsupported = False  # the worker has no DecodeMany: a call per sequence
+        self._idle_since: float | None = None  # the stream is open and carries no sequence
 
     def open(self, request: decode_pb2.DecodeRequest, traceparent: str,
              metadata: Metadata) -> SequenceStream | Any:
@@ -153,6 +160,7 @@ class DecodeStreams:
                     self._connect()
                 assert self._requests is not None
                 self._live[request.ticket.request_id] = seq
+                self._idle_since = None
                 self._requests.put(decode_pb2.DecodeManyRequest(start=request,
                                                                 traceparent=traceparent))
                 return seq
@@ -167,7 +175,24 @@ class DecodeStreams:
             del self._live[rid]
             if self._requests is not None:
                 self._requests.put(decode_pb2.DecodeManyRequest(cancel=seq.request.ticket))
+                self._note_idle()
         return True
+
+    def close_idle(self, idle_s: float = IDLE_CLOSE_S) -> bool:
+        """End the stream if no sequence has been on it for `idle_s`: its request side is
+        closed, so the worker ends it; the next `open` starts a new one. True if it did."""
+        with self._lock:
+            if (self._requests is None or self._live or self._idle_since is None
+                    or time.monotonic() - self._idle_since < idle_s):
+                return False
+            requests, self._requests, self._call = self._requests, None, None
+            self._idle_since = None
+        requests.put(None)
+        return True
+
+    def _note_idle(self) -> None:  # lock held
+        if not self._live:
+            self._idle_since = time.monotonic()
 
     def close(self) -> None:
         """End the stream (the router is stopping): the worker aborts what is left on it."""
@@ -193,13 +218,18 @@ class DecodeStreams:
                     rid = update.request_id
                     with self._lock:
                         seq = self._live.pop(rid, None) if update.last else self._live.get(rid)
+                        if update.last and self._requests is requests:
+                            self._note_idle()
                     if seq is not None:  # a sequence's tokens are relayed on this thread;
                         seq.put(update, inline=not update.last)  # its end on the pool's
         except grpc.RpcError as exc:
             error = SequenceFailed(exc.code(), exc.details() or "")
         with self._lock:
-            if self._requests is requests:
-                self._requests, self._call = None, None
+            if self._requests is not requests:  # closed while idle (`close_idle`): the
+                requests.put(None)              # sequences now in `_live` are a new stream's
+                log.debug("decode %s: idle shared decode stream closed", self._address)
+                return
+            self._requests, self._call = None, None
             orphans, self._live = list(self._live.values()), {}
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._unsupported = True

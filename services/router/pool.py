@@ -238,6 +238,9 @@ class WorkerPool:
                 worker.last_error = "" if healthy else error
                 if fresh is not None:
                     worker.stats = fresh
+        for worker in workers:  # streams no sequence used for a while: their threads back
+            if worker.streams is not None:
+                worker.streams.close_idle()
         if self._on_checked is not None:
             self._on_checked(self.followable())
 

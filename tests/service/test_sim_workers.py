@@ -119,3 +119,48 @@ def test_a_real_router_drives_a_simulated_pool(tiny_model_dir, remote_min) -> No
                     and stats.running_sequences == stats.reserved_tickets == 0)
 
         assert wait_for(lambda: all(idle(a) for a in decode), timeout_s=6)  # all pages back
+
+
+def test_an_idle_shared_decode_stream_is_closed_and_the_next_sequence_opens_a_new_one() -> None:
+    """The router's DecodeMany stream to a worker (`pdserve.router.mux.DecodeStreams`): while a
+    sequence is on it, it stays; once none has been for `idle_s`, `close_idle` ends it (its
+    reader thread ends: the threads an open stream holds come back) and the next sequence
+    starts a new stream, with the same tokens."""
+    import threading
+
+    from pdserve.router.mux import DecodeStreams
+    from pdserve.v1 import decode_pb2
+
+    first = f"127.{os.getpid() % 200 + 20}.251.1"
+    dport = free_port()
+    sim = pdserve_argv("sim", "--prefill", "0", "--decode", "1", "--first-address", first,
+                       "--decode-port", str(dport), "--prefill-port", str(free_port()))
+    address = f"{first}:{dport}"
+    prompt = [7, 8, 9, 10]
+
+    def readers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("router-decode-many-")]
+
+    with running(sim, address), grpc.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        streams = DecodeStreams(stub, address)
+        before = set(readers())
+
+        def one(rid: str) -> list[int]:
+            reply = stub.Reserve(decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=4,
+                                                           lease_ms=10_000), timeout=5)
+            seq = streams.open(decode_pb2.DecodeRequest(
+                ticket=reply.ticket, prompt_token_ids=prompt, first_token=prompt[0],
+                sampling=common_pb2.SamplingParams(max_tokens=4)), "", None)
+            assert streams.close_idle(0.0) is False  # a sequence is on it
+            return [t for m in seq for t in m.token_ids]
+
+        assert one("a") == [8, 9, 10]
+        (reader,) = set(readers()) - before
+        assert streams.close_idle(60.0) is False  # idle, but not for long enough
+        assert streams.close_idle(0.0) is True
+        reader.join(timeout=5)
+        assert not reader.is_alive()
+        assert one("b") == [8, 9, 10]  # on a new stream
+        assert len(set(readers()) - before) == 1
+        streams.close()
