@@ -262,17 +262,16 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt has no tokens")
         received = time.monotonic()
         self.waiting, self.queued_tokens = self.waiting + 1, self.queued_tokens + n
-        queued = True
         try:
-            async with self.computing:  # one prompt at a time, in arrival order
-                self.waiting, self.queued_tokens = self.waiting - 1, self.queued_tokens - n
-                queued = False
-                started = time.monotonic()
-                prefill_ms = self.profile.prefill_ms(n)
-                await asyncio.sleep(prefill_ms / 1e3)
+            await self.computing.acquire()  # one prompt at a time, in arrival order
+        finally:  # computing now, or the caller went away while it waited
+            self.waiting, self.queued_tokens = self.waiting - 1, self.queued_tokens - n
+        try:
+            started = time.monotonic()
+            prefill_ms = self.profile.prefill_ms(n)
+            await asyncio.sleep(prefill_ms / 1e3)
         finally:
-            if queued:  # the caller went away while it waited
-                self.waiting, self.queued_tokens = self.waiting - 1, self.queued_tokens - n
+            self.computing.release()
         kv_bytes = n * self.profile.kv_bytes_per_token
         handoff_ms = self.profile.handoff_ms(kv_bytes)
         await asyncio.sleep(handoff_ms / 1e3)  # the handoff overlaps the next prompt's compute

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from pdserve.router.mux import DecodeStreams
 from pdserve.sim.host import SimConfig
 from pdserve.sim.profile import SimProfile
-from pdserve.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
 from tests.support import free_port, pdserve_argv, running, wait_for
 
@@ -126,11 +128,6 @@ def test_an_idle_shared_decode_stream_is_closed_and_the_next_sequence_opens_a_ne
     sequence is on it, it stays; once none has been for `idle_s`, `close_idle` ends it (its
     reader thread ends: the threads an open stream holds come back) and the next sequence
     starts a new stream, with the same tokens."""
-    import threading
-
-    from pdserve.router.mux import DecodeStreams
-    from pdserve.v1 import decode_pb2
-
     first = f"127.{os.getpid() % 200 + 20}.251.1"
     dport = free_port()
     sim = pdserve_argv("sim", "--prefill", "0", "--decode", "1", "--first-address", first,
