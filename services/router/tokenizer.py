@@ -89,6 +89,7 @@ class Tokenizer:
         self.byte_token_ids = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
         self.special_token_ids = frozenset(
             i for i, added in tokenizer.added_tokens_decoder.items() if added.special)
+        self._backend_decode = _plain_backend_decode(tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -137,4 +138,27 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """`tokenizer.decode(ids)` (U+FFFD where bytes are not valid UTF-8)."""
+        if self._backend_decode is not None:
+            return str(self._backend_decode(list(token_ids),
+                                            skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def _plain_backend_decode(tokenizer: Any) -> Any:
+    """The Rust tokenizer's own `decode` where transformers' `decode` would only wrap it:
+    a fast tokenizer class that overrides neither `decode` nor `_decode`, with no space
+    clean-up. The router decodes a window of text per streamed token, and the wrapper (input
+    conversion, keyword plumbing) costs ~7x the decode itself. None: use `decode`."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the plain path
+        return None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, TokenizersBackend) or backend is None
+            or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return backend.decode

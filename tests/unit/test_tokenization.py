@@ -129,6 +129,30 @@ def test_streamed_text_is_decode_of_all_ids_property(kind):
         assert streamed == hf.decode(ids, skip_special_tokens=True), (name, case, ids)
 
 
+def test_decode_takes_the_rust_tokenizer_directly_and_gives_transformers_text(kind):
+    """The router's per-token decode skips transformers' wrapper where it adds nothing; the
+    text is still `AutoTokenizer.decode`'s, special tokens skipped or kept."""
+    name, tok, hf = kind
+    assert tok._backend_decode is not None, name  # every kind here is a plain fast tokenizer
+    rng = random.Random(11)
+    for case in range(100):
+        ids = _random_ids(rng, tok, hf)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == \
+                hf.decode(ids, skip_special_tokens=skip), (name, case, skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(model_kinds):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_kinds[KINDS[0]])
+    hf.clean_up_tokenization_spaces = True
+    tok = Tokenizer(hf)
+    assert tok._backend_decode is None
+    ids = tok.encode("a , b .")
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
 def test_stop_strings_cut_the_exact_text(kind):
     name, tok, hf = kind
     rng = random.Random(7)
