@@ -40,6 +40,7 @@ from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
 from pdserve.common.requestids import attempt_id, new_nonce
 from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.cancel import CallScope, ClientCancelled
+from pdserve.router.candidates import candidates
 from pdserve.router.placement import (
     DEFAULT_WEIGHTS,
     Placement,
@@ -236,7 +237,8 @@ class AttemptRunner:
                  scope: CallScope, avoid: set[str]
                  ) -> tuple[str, prefill_pb2.PrefillResponse, float, str]:
         num_tokens = len(gen.prompt_ids)
-        loads = self._pool.prefill_loads()
+        loads = self._pool.prefill_loads(candidates(self._pool, "prefill", self._weights.sample,
+                                                    self._cache, gen.prompt_ids))
         cached = self._cache.cached_pages([w.address for w in loads], gen.prompt_ids) \
             if self._cache is not None else {}
         placement = place_prefill(loads, num_tokens, cached, self._weights, avoid)
@@ -267,7 +269,8 @@ class AttemptRunner:
         return address, reply, sent, placement.explain()
 
     def _place_decode(self, gen: Generation, avoid: set[str]) -> Placement:
-        loads = self._pool.decode_loads()
+        loads = self._pool.decode_loads(candidates(self._pool, "decode", self._weights.sample,
+                                                   self._cache, gen.prompt_ids))
         cached = self._cache.cached_pages([w.address for w in loads], gen.prompt_ids) \
             if self._cache is not None else {}
         return place_decode(loads, len(gen.prompt_ids), cached, self._weights, avoid)

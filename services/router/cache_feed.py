@@ -42,6 +42,7 @@ class CacheFeeds:
         self._stop = threading.Event()
         self._streams: dict[str, grpc.Call | None] = {}  # followed now (None: opening)
         self._layout: dict[str, tuple[int, int]] = {}   # worker -> (root key, block size)
+        self._layouts: dict[tuple[int, int], int] = {}  # layout -> workers that have it
         self._unsupported: set[str] = set()
         # One request's placements (decode, prefill) and speculations all ask for the keys of
         # the same prompt, on the same thread: hashed once per layout, not once per question.
@@ -82,8 +83,9 @@ class CacheFeeds:
         """The page keys of the prompt's full pages before its last token, as `address`
         names them (empty when its layout is not known yet)."""
         layout = self._layout.get(address)
-        if layout is None:
-            return []
+        return [] if layout is None else self._keys(layout, prompt_ids)
+
+    def _keys(self, layout: tuple[int, int], prompt_ids: Sequence[int]) -> list[int]:
         recent = self._recent.__dict__
         if recent.get("prompt") is not prompt_ids:
             recent["prompt"], recent["keys"] = prompt_ids, {}
@@ -99,6 +101,16 @@ class CacheFeeds:
         """Leading pages of the prompt each worker holds, as far as the index knows."""
         return {address: self.index.cached_pages(address, self.prompt_keys(address, prompt_ids))
                 for address in addresses}
+
+    def holders(self, prompt_ids: Sequence[int]) -> set[str]:
+        """Workers holding at least the prompt's first page, as far as the index knows (for
+        every cache layout the workers announced; usually there is one)."""
+        found: set[str] = set()
+        for layout in list(self._layouts):
+            keys = self._keys(layout, prompt_ids)
+            if keys:
+                found |= self.index.holders(keys[0])
+        return found
 
     def speculate(self, address: str, prompt_ids: Sequence[int]) -> None:
         self.index.speculate(address, self.prompt_keys(address, prompt_ids))
@@ -118,7 +130,7 @@ class CacheFeeds:
                     if batch.snapshot:
                         fp = wire.fingerprint_from_pb(batch.fingerprint)
                         if fp is not None:
-                            self._layout[address] = (root_key(fp), fp.block_size)
+                            self._set_layout(address, (root_key(fp), fp.block_size))
                     if not self.index.apply(address, batch.epoch, batch.sequence,
                                             batch.snapshot, batch.stored, batch.removed):
                         log.info("cache events of %s: gap or new epoch; resubscribing", address)
@@ -139,4 +151,16 @@ class CacheFeeds:
 
     def _forget(self, address: str) -> None:
         self.index.drop(address)
-        self._layout.pop(address, None)
+        self._set_layout(address, None)
+
+    def _set_layout(self, address: str, layout: tuple[int, int] | None) -> None:
+        """Record (None: forget) a worker's cache layout, counting workers per layout."""
+        with self._lock:
+            old = self._layout.pop(address, None)
+            if old is not None:
+                self._layouts[old] -= 1
+                if not self._layouts[old]:
+                    del self._layouts[old]
+            if layout is not None:
+                self._layout[address] = layout
+                self._layouts[layout] = self._layouts.get(layout, 0) + 1

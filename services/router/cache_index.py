@@ -29,6 +29,9 @@ class Snapshot:
     fresh_s: float  # seconds since its last batch
 
 
+GUESSED_PURGE_AT = 100_000  # first keys of speculative entries kept before expired ones go
+
+
 class CacheIndex:
     def __init__(self, *, speculative_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -39,6 +42,9 @@ class CacheIndex:
         self._epoch: dict[str, tuple[int, int]] = {}    # worker -> (epoch, last sequence)
         self._seen: dict[str, float] = {}               # worker -> clock of its last batch
         self._guess: dict[str, tuple[float, set[int]]] = {}  # worker -> (until, keys)
+        # The other way round, so placement need not ask every worker of a large pool:
+        self._holders: dict[int, set[str]] = {}          # key -> workers that announced it
+        self._guessed: dict[int, dict[str, float]] = {}  # key -> {worker: until}
 
     # ---- events ---------------------------------------------------------------------------
     def apply(self, worker: str, epoch: int, sequence: int, snapshot: bool,
@@ -49,7 +55,9 @@ class CacheIndex:
         with self._lock:
             self._seen[worker] = self._clock()
             if snapshot:
+                self._unhold_locked(worker, self._keys.get(worker, ()))
                 self._keys[worker] = set(stored)
+                self._hold_locked(worker, self._keys[worker])
                 self._epoch[worker] = (epoch, sequence)
                 return True
             known = self._epoch.get(worker)
@@ -57,8 +65,11 @@ class CacheIndex:
                 self._drop_locked(worker)
                 return False
             keys = self._keys[worker]
+            stored, removed = set(stored), set(removed)
             keys.update(stored)
             keys.difference_update(removed)
+            self._hold_locked(worker, stored - removed)
+            self._unhold_locked(worker, removed)
             self._epoch[worker] = (epoch, sequence)
             return True
 
@@ -67,7 +78,20 @@ class CacheIndex:
         with self._lock:
             self._drop_locked(worker)
 
+    def _hold_locked(self, worker: str, keys: Iterable[int]) -> None:
+        for key in keys:
+            self._holders.setdefault(key, set()).add(worker)
+
+    def _unhold_locked(self, worker: str, keys: Iterable[int]) -> None:
+        for key in keys:
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(worker)
+                if not holders:
+                    del self._holders[key]
+
     def _drop_locked(self, worker: str) -> None:
+        self._unhold_locked(worker, self._keys.get(worker, ()))
         self._keys.pop(worker, None)
         self._epoch.pop(worker, None)
         self._guess.pop(worker, None)
@@ -83,6 +107,11 @@ class CacheIndex:
             held = old[1] if old and old[0] > self._clock() else set()
             held.update(keys)
             self._guess[worker] = (until, held)
+            self._guessed.setdefault(keys[0], {})[worker] = until
+            if len(self._guessed) > GUESSED_PURGE_AT:  # keys no prompt asked for again
+                now = self._clock()
+                self._guessed = {k: live for k, ws in self._guessed.items()
+                                 if (live := {w: t for w, t in ws.items() if t > now})}
 
     # ---- queries --------------------------------------------------------------------------
     def cached_pages(self, worker: str, keys: Sequence[int]) -> int:
@@ -104,6 +133,17 @@ class CacheIndex:
                 break
             n += 1
         return n
+
+    def holders(self, key: int) -> set[str]:
+        """The workers that hold the page of `key` (announced, or given a prompt starting
+        with it lately): with a prompt's first key, every worker whose cached_pages > 0."""
+        with self._lock:
+            found = set(self._holders.get(key, ()))
+            guessed = self._guessed.get(key)
+            if guessed:
+                now = self._clock()
+                found.update(w for w, until in guessed.items() if until > now)
+            return found
 
     def known(self, worker: str) -> Snapshot | None:
         with self._lock:

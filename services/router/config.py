@@ -60,6 +60,9 @@ class RouterConfig(ServerConfig):
                                        "is passed over, however much of the prompt it holds")
     imbalance_slack: int = option(4, "sequences a decode worker may run over the "
                                      "--max-imbalance line")
+    placement_sample: int = option(32, "in a pool larger than this, a request weighs this many "
+                                       "workers drawn at random, plus those holding its "
+                                       "prompt's first page (each role); 0: always every worker")
     remote_prefill_min_tokens: int = option(256, "a prompt whose part the chosen decode worker "
                                                  "lacks is shorter than this many tokens is "
                                                  "prefilled by the decode worker itself (no "
@@ -93,6 +96,8 @@ class RouterConfig(ServerConfig):
             require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
         require(self.max_imbalance >= 1, "max_imbalance", self.max_imbalance, ">= 1")
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
+        require(self.placement_sample >= 0, "placement_sample", self.placement_sample,
+                ">= 0 (0 = every worker)")
         require(0 <= self.lease_ms < 1e9, "lease_ms", self.lease_ms, ">= 0 (0 = not renewed)")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s",
                      "discovery_interval_s", "decode_start_timeout_s"):
@@ -101,7 +106,7 @@ class RouterConfig(ServerConfig):
     @property
     def weights(self) -> Weights:
         return Weights(self.cache_weight, self.sequence_weight, self.max_imbalance,
-                       self.imbalance_slack)
+                       self.imbalance_slack, sample=self.placement_sample)
 
     def targets(self, role: str) -> list[Target]:
         """The parsed --prefill or --decode entries."""

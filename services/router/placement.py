@@ -40,6 +40,7 @@ class PrefillLoad:
     queued_prompt_tokens: int = 0    # from the worker's last Stats
     inflight_prompt_tokens: int = 0  # prompts this router sent it that have not returned
     block_size: int = DEFAULT_BLOCK_SIZE
+    placed: int = 0  # prompts this router has sent it (spreads ties)
 
     @property
     def pending_tokens(self) -> int:
@@ -76,6 +77,7 @@ class Weights:
     sequence_weight: float = 32.0  # per sequence in a decode worker's batch, in tokens
     max_imbalance: float = 1.5    # decode sequences over the least loaded worker's, times
     imbalance_slack: int = 4      # ... plus this many
+    sample: int = 0               # > 0: weigh this many random workers (+ cache holders) only
 
 
 DEFAULT_WEIGHTS = Weights()
@@ -125,10 +127,10 @@ def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
             continue
         cached = cached_pages.get(w.address, 0) * w.block_size
         cost = weights.cache_weight * max(0, num_prompt_tokens - cached) + w.pending_tokens
-        rows.append((w.address in avoid, cost, w.address,
+        rows.append((w.address in avoid, cost, w.placed, w.address,
                      Candidate(w.address, cached, w.pending_tokens, cost,
                                "retry" if w.address in avoid else "")))
-    rows.sort(key=lambda r: r[:3])
+    rows.sort(key=lambda r: r[:4])
     return _placement(rows)
 
 

@@ -8,7 +8,8 @@ its Decode stream and Abort) finish, and its channel is closed after the last on
 whose address comes back is a member again (checked again first).
 
 A background thread checks every member each `interval_s` (grpc.health.v1 Check and the
-worker's Stats, both with a bounded timeout, all workers at once). Between checks the router
+worker's Stats, both with a bounded timeout, all workers at once; a large pool in rolling
+slices, check_schedule.py). Between checks the router
 keeps the loads current itself: prompt tokens in flight per prefill worker, and each decode
 worker's cached Stats adjusted after every reservation it grants.
 
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.cache_feed import Followed
+from pdserve.router.check_schedule import plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -59,8 +61,9 @@ class Worker:
     healthy: bool = False
     stats: common_pb2.WorkerStats | None = None
     inflight_prompt_tokens: int = 0
-    placed: int = 0  # reservations this router made on it (decode), to spread ties
+    placed: int = 0  # prompts sent (prefill), reservations granted (decode): spreads ties
     calls: int = 0  # this router's calls on it now (acquire .. release)
+    checked: bool = False  # read at least once since it joined
     member: bool = True  # False once retired: no new calls; dropped after its last one
     last_error: str = field(default="", repr=False)
     streams: DecodeStreams | None = None  # decode: the shared stream its sequences run on
@@ -95,6 +98,9 @@ class WorkerPool:
         self._thread: threading.Thread | None = None
         self._checked = threading.Event()  # set once the first round has run
         self._workers: dict[tuple[str, str], Worker] = {}  # by (role, address), retired too
+        self._healthy: dict[str, list[str]] = {}  # role -> healthy members (see healthy())
+        self._suspects: set[str] = set()  # read at the next tick (check_schedule.py)
+        self._rotation = 0
         self._channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
         self._joins = dict.fromkeys(ROLES, 0)
         self._leaves = dict.fromkeys(ROLES, 0)
@@ -117,7 +123,7 @@ class WorkerPool:
                 if worker is not None and worker.member:
                     continue
                 if worker is not None:  # back before its last call ended: check it again
-                    worker.member, worker.healthy = True, False
+                    worker.member, worker.healthy, worker.checked = True, False, False
                 else:
                     channel = self._channels.get(address) or self._open(address, tls_name)
                     self._channels[address] = channel
@@ -137,6 +143,7 @@ class WorkerPool:
                     if worker.calls == 0:
                         idle.append(worker)
             closing = [self._drop(w) for w in idle]
+            self._healthy.clear()
         self._close([c for c in closing if c is not None])
         self._wake.set()  # newcomers are checked now, not at the next round
 
@@ -171,6 +178,7 @@ class WorkerPool:
                 return None
             worker.calls += 1
             worker.inflight_prompt_tokens += prompt_tokens
+            worker.placed += role == "prefill"  # (decode: counted when a Reserve is granted)
             return worker
 
     def release(self, worker: Worker, prompt_tokens: int = 0) -> None:
@@ -199,22 +207,25 @@ class WorkerPool:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            with self._lock:
+                members = [w for w in self._workers.values() if w.member]
+                urgent = [w for w in members if w.address in self._suspects or not w.checked]
+                self._suspects.clear()
+            turn = plan_round(members, self._rotation, self.interval_s, urgent)
+            self._rotation = turn.next_start
             try:
-                self.check_now()
+                self.check_now(turn.workers)
             except Exception:  # a checker that stops would freeze membership: never
                 log.exception("worker health check round failed; checking again")
             self._checked.set()
-            with self._lock:
-                all_healthy = all(w.healthy for w in self._workers.values() if w.member)
-            # A worker that is down (or still starting) is looked at again soon, so it joins
-            # quickly; healthy ones every interval.
-            self._wake.wait(self.interval_s if all_healthy
-                            else min(self.interval_s, RECHECK_DOWN_S))
+            self._wake.wait(tick_s(len(members), self.interval_s,
+                                   all(w.healthy for w in members), RECHECK_DOWN_S))
 
-    def check_now(self) -> None:
-        """One round: health Check and Stats of every member, in parallel, bounded."""
-        with self._lock:
-            workers = [w for w in self._workers.values() if w.member]
+    def check_now(self, workers: list[Worker] | None = None) -> None:
+        """One round: health Check and Stats of `workers` (all members), in parallel, bounded."""
+        if workers is None:
+            with self._lock:
+                workers = [w for w in self._workers.values() if w.member]
         calls = [self._ask(w) for w in workers]
         for worker, call in zip(workers, calls):
             if call is None:
@@ -232,9 +243,10 @@ class WorkerPool:
                 if not worker.member:
                     continue
                 if healthy != worker.healthy:
+                    self._healthy.clear()
                     log.info("%s worker %s is %s", worker.role, worker.address,
                              "healthy" if healthy else f"unhealthy ({error})")
-                worker.healthy = healthy
+                worker.healthy, worker.checked = healthy, True
                 worker.last_error = "" if healthy else error
                 if fresh is not None:
                     worker.stats = fresh
@@ -328,37 +340,52 @@ class WorkerPool:
                 leaving=sum(not w.member for w in workers if w.role == role),
                 joins=self._joins[role], leaves=self._leaves[role]) for role in ROLES}
 
-    def prefill_loads(self) -> list[PrefillLoad]:
-        """Every prefill member's health and pending prompt tokens."""
+    def healthy(self, role: str) -> list[str]:
+        """The healthy members of `role` (kept between changes: placement samples from it)."""
+        with self._lock:
+            found = self._healthy.get(role)
+            if found is None:
+                found = self._healthy[role] = [w.address for w in self._workers.values()
+                                               if w.role == role and w.member and w.healthy]
+            return found
+
+    def _members(self, role: str, among: Collection[str] | None) -> list[Worker]:
+        if among is None:
+            return [w for w in self._workers.values() if w.role == role and w.member]
+        return [w for a in among if (w := self._workers.get((role, a))) and w.member]
+
+    def prefill_loads(self, among: Collection[str] | None = None) -> list[PrefillLoad]:
+        """Health and pending prompt tokens of every prefill member (or those `among`)."""
         with self._lock:
             return [PrefillLoad(w.address, w.healthy,
                                 w.stats.queued_prompt_tokens if w.stats else 0,
                                 w.inflight_prompt_tokens,
                                 (w.stats.fingerprint.block_size if w.stats else 0)
-                                or DEFAULT_BLOCK_SIZE)
-                    for w in self._workers.values() if w.role == "prefill" and w.member]
+                                or DEFAULT_BLOCK_SIZE, w.placed)
+                    for w in self._members("prefill", among)]
 
-    def decode_loads(self) -> list[DecodeLoad]:
-        """Every decode member's health and its last known (locally adjusted) Stats."""
+    def decode_loads(self, among: Collection[str] | None = None) -> list[DecodeLoad]:
+        """Health and last (locally adjusted) Stats of every decode member (or those `among`)."""
         with self._lock:
-            return [self._decode_load(w) for w in self._workers.values()
-                    if w.role == "decode" and w.member]
+            return [self._decode_load(w) for w in self._members("decode", among)]
 
     @staticmethod
     def _decode_load(w: Worker) -> DecodeLoad:
-        load = DecodeLoad(w.address, w.healthy, placed=w.placed, inflight=w.calls)
-        if w.stats is None:
-            return load
         s = w.stats
-        return replace(load, free_pages=s.free_pages, running_sequences=s.running_sequences,
-                       waiting_sequences=s.waiting_sequences, reserved_tickets=s.reserved_tickets,
-                       block_size=s.fingerprint.block_size or load.block_size)
+        if s is None:
+            return DecodeLoad(w.address, w.healthy, placed=w.placed, inflight=w.calls)
+        return DecodeLoad(w.address, w.healthy, s.free_pages, s.running_sequences,
+                          s.waiting_sequences, s.reserved_tickets,
+                          s.fingerprint.block_size or DEFAULT_BLOCK_SIZE, w.placed, w.calls)
 
     # --- what the lifecycle reports back --------------------------------------------------
 
     def suspect(self, address: str) -> None:
-        """A call to `address` failed as if the worker were down: check every worker now."""
+        """A call to `address` failed as if the worker were down: check it now (a small
+        pool: every worker)."""
         log.debug("worker %s suspected down; checking now", address)
+        with self._lock:
+            self._suspects.add(address)
         self._wake.set()
 
     def note_reserved(self, worker: Worker, num_pages: int) -> None:

@@ -1,0 +1,55 @@
+"""How often each worker's health and Stats are read: every member each `interval_s` in a
+pool small enough, a rolling slice of a large one.
+
+Reading every member at once each second costs the router two calls per worker per second:
+with a thousand workers, 2,000 calls a second and half a core. Above `CHECKS_PER_S *
+interval_s` members the checker runs every `TICK_S` and reads the next slice of the members in
+turn (`CHECKS_PER_S * TICK_S` of them), so each is read every `members / CHECKS_PER_S`
+seconds (10 s with 2,000 workers) and the calls are spread out instead of arriving in bursts.
+Between reads the router keeps loads current itself (what it sends each worker), and a worker
+that fails a call, or that just joined, is read in the next tick, not at its turn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+CHECKS_PER_S = 200   # workers read per second at most, once the pool is large
+TICK_S = 0.25        # how often a large pool's next slice is read
+
+W = TypeVar("W")
+
+
+@dataclass(frozen=True)
+class Round:
+    """One tick's work: the workers to read (None: every member) and the rotation's next
+    start."""
+
+    workers: list[W] | None  # type: ignore[valid-type]
+    next_start: int
+
+
+def plan_round(members: Sequence[W], start: int, interval_s: float, urgent: Sequence[W] = ()
+               ) -> Round:
+    """The members to read this tick: all of them in a small pool; else the slice of the
+    rotation from `start` plus the `urgent` ones (suspected, new), each once."""
+    if len(members) <= CHECKS_PER_S * interval_s:
+        return Round(None, 0)
+    size = math.ceil(CHECKS_PER_S * TICK_S)
+    start %= len(members)
+    picked = list(members[start:start + size])
+    picked += members[:max(0, start + size - len(members))]
+    seen = {id(w) for w in picked}
+    picked += [w for w in urgent if id(w) not in seen]
+    return Round(picked, (start + size) % len(members))
+
+
+def tick_s(members: int, interval_s: float, all_healthy: bool, recheck_down_s: float) -> float:
+    """The wait before the next tick: a large pool's TICK_S; in a small one, the interval, or
+    `recheck_down_s` while some member is down (so it joins quickly)."""
+    if members > CHECKS_PER_S * interval_s:
+        return TICK_S
+    return interval_s if all_healthy else min(interval_s, recheck_down_s)

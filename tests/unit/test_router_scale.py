@@ -1,0 +1,93 @@
+"""What keeps one router's cost flat in the pool size: the cache index answers who holds a
+prompt's first page without asking every worker, placement in a large pool weighs a sample
+plus those holders, and a large pool's health/Stats reads go in rolling slices."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pdserve.router.cache_index import CacheIndex
+from pdserve.router.candidates import candidates
+from pdserve.router.check_schedule import CHECKS_PER_S, TICK_S, plan_round, tick_s
+
+from tests.fakes import FakeClock
+
+pytestmark = pytest.mark.unit
+
+
+def test_holders_follow_snapshots_changes_drops_and_guesses():
+    clock = FakeClock()
+    index = CacheIndex(speculative_s=2.0, clock=clock)
+    index.apply("d0", 1, 0, True, [1, 2], [])
+    index.apply("d1", 1, 0, True, [1], [])
+    assert index.holders(1) == {"d0", "d1"} and index.holders(2) == {"d0"}
+    index.apply("d0", 1, 1, False, stored=[3], removed=[1])
+    assert index.holders(1) == {"d1"} and index.holders(3) == {"d0"}
+    index.apply("d1", 1, 0, True, [9], [])  # a new snapshot replaces what d1 held
+    assert index.holders(1) == set() and index.holders(9) == {"d1"}
+    index.drop("d0")
+    assert index.holders(2) == set() and index.holders(3) == set()
+    index.speculate("d5", [7, 8])  # just placed there: held for speculative_s
+    assert index.holders(7) == {"d5"}
+    clock.now += 2.5
+    assert index.holders(7) == set()
+
+
+class _Pool:
+    def __init__(self, n: int):
+        self.members = [f"w{i}" for i in range(n)]
+
+    def healthy(self, role: str) -> list[str]:
+        return self.members
+
+
+class _Cache:
+    def __init__(self, held: set[str]):
+        self.held = held
+
+    def holders(self, prompt_ids) -> set[str]:
+        return self.held
+
+
+def test_a_small_pool_is_weighed_whole():
+    assert candidates(_Pool(32), "decode", 32, _Cache({"w1"}), [1, 2]) is None
+    assert candidates(_Pool(500), "decode", 0, None, [1]) is None  # sampling off
+
+
+def test_a_large_pool_weighs_a_sample_plus_the_prompts_holders_and_uses_everyone():
+    pool, rng = _Pool(1000), random.Random(3)
+    picked = candidates(pool, "decode", 32, _Cache({"w999", "w998"}), [1], rng)
+    assert picked is not None and len(picked) <= 34 and {"w999", "w998"} <= set(picked)
+    many = candidates(pool, "decode", 32, _Cache({f"w{i}" for i in range(500)}), [1], rng)
+    assert many is not None and len(many) <= 64  # a hot prefix adds at most k holders
+    seen: set[str] = set()
+    for _ in range(400):
+        seen.update(candidates(pool, "decode", 32, None, [1], rng) or [])
+    assert len(seen) == 1000  # every worker gets weighed in turn
+
+
+def test_a_small_pool_is_read_whole_each_interval():
+    turn = plan_round(list(range(100)), 0, interval_s=1.0)
+    assert turn.workers is None
+    assert tick_s(100, 1.0, all_healthy=True, recheck_down_s=0.5) == 1.0
+    assert tick_s(100, 1.0, all_healthy=False, recheck_down_s=0.5) == 0.5
+
+
+def test_a_large_pool_is_read_in_rolling_slices_plus_the_urgent_ones():
+    members = list(range(1000))
+    size = int(CHECKS_PER_S * TICK_S)
+    turn = plan_round(members, 0, 1.0)
+    assert turn.workers == list(range(size)) and turn.next_start == size
+    read: list[int] = []
+    start = 0
+    for _ in range(-(-1000 // size)):  # ticks in one period
+        turn = plan_round(members, start, 1.0)
+        assert turn.workers is not None
+        read += turn.workers
+        start = turn.next_start
+    assert sorted(set(read)) == members  # everyone once per period
+    assert 1000 / CHECKS_PER_S == pytest.approx(len(read) / size * TICK_S, rel=0.1)
+    wrap = plan_round(members, 990, 1.0, urgent=[members[5], members[995], members[500]])
+    assert wrap.workers == [*range(990, 1000), *range(size - 10), 500]  # urgent ones once
+    assert tick_s(1000, 1.0, all_healthy=True, recheck_down_s=0.5) == TICK_S
