@@ -33,6 +33,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "handoff": ("pdserve.bench.loadgen.handoff",
                 "the KV handoff through the whole request path, as the router reports it (one "
                 "page; long prompts)"),
+    "router": ("pdserve.bench.router",
+               "one router process in front of N simulated workers: req/s, router CPU per "
+               "request and token, router-added latency, discovery, workers vanishing"),
     "serve": ("pdserve.bench.loadgen.main",
               "latency, throughput and goodput of a deployment (gRPC or OpenAI API), side by "
               "side"),
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(BENCHES, "pdserve bench", argv[1:])
     if argv and argv[0] == "model":
         return _dispatch({"model": COMMANDS["model"]}, "pdserve", argv)
-    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv|handoff|serve")}
+    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv|handoff|router|serve")}
     return _dispatch(table, "pdserve", argv)
 
 

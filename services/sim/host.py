@@ -31,6 +31,8 @@ class SimConfig:
     profile: str = option("", "JSON file of SimProfile fields (default: the built-in profile, "
                               "bench-7m on a 2-core machine)")
     addresses_file: str = option("", "also write {\"prefill\": [...], \"decode\": [...]} here")
+    timings_file: str = option("", "at exit, write the ms the workers spent on each client "
+                                   "request id here (JSON; for pdserve bench router)")
 
     def __post_init__(self) -> None:
         require(self.prefill >= 0 and self.decode >= 0 and self.prefill + self.decode > 0,
@@ -61,21 +63,23 @@ async def _serve(cfg: SimConfig, stop: asyncio.Event) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from pdserve.sim.profile import SimProfile
-    from pdserve.sim.workers import SimDecode, SimPrefill
+    from pdserve.sim.workers import Ledger, SimDecode, SimPrefill
     from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
     profile = SimProfile.load(cfg.profile) if cfg.profile else SimProfile()
     servers: list[grpc.aio.Server] = []
+    ledger = Ledger() if cfg.timings_file else None
     try:
         for role in ("prefill", "decode"):
             for address in cfg.addresses(role):
                 server = grpc.aio.server()
                 name = f"{role}@{address}"
                 if role == "prefill":
-                    prefill_pb2_grpc.add_PrefillServicer_to_server(SimPrefill(name, profile),
-                                                                   server)
+                    prefill_pb2_grpc.add_PrefillServicer_to_server(
+                        SimPrefill(name, profile, ledger=ledger), server)
                 else:
-                    decode_pb2_grpc.add_DecodeServicer_to_server(SimDecode(name, profile), server)
+                    decode_pb2_grpc.add_DecodeServicer_to_server(
+                        SimDecode(name, profile, ledger=ledger), server)
                 checks = health.aio.HealthServicer()
                 await checks.set("", health_pb2.HealthCheckResponse.SERVING)
                 health_pb2_grpc.add_HealthServicer_to_server(checks, server)
@@ -96,6 +100,8 @@ async def _serve(cfg: SimConfig, stop: asyncio.Event) -> int:
         return 1
     finally:
         await asyncio.gather(*(s.stop(0) for s in servers))
+        if ledger is not None:
+            Path(cfg.timings_file).write_text(json.dumps(ledger))
 
 
 def _raise_fd_limit(needed: int) -> None:

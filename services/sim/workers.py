@@ -27,6 +27,17 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, pre
 IDLE_CHECK_S = 0.25  # an idle DecodeMany stream looks this often at whether its caller left
 
 
+class Ledger(dict[str, float]):
+    """Milliseconds the simulated workers spent on each client request (Prefill call and
+    Decode sequence, received to answered), keyed by the client's request id (the part of the
+    router's attempt id before `#`): what `pdserve bench router` subtracts from the client's
+    E2E to get the time the router added."""
+
+    def charge(self, request_id: str, since: float) -> None:
+        key = request_id.partition("#")[0]
+        self[key] = self.get(key, 0.0) + (time.monotonic() - since) * 1e3
+
+
 class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -56,6 +67,7 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
     held: dict[str, _Held] = field(default_factory=dict)
     epoch: int = 0
     stepper: asyncio.Task[None] | None = None
+    ledger: Ledger | None = None  # None: worker times are not kept
 
     def __post_init__(self) -> None:
         self.free_pages = self.profile.num_pages
@@ -198,6 +210,8 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
                                                 else "")
         finally:
             self._release(rid)
+            if self.ledger is not None:
+                self.ledger.charge(rid, received)
 
     async def _step(self) -> None:
         """The simulated engine: every live sequence gets a token per step."""
@@ -254,6 +268,7 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
     waiting: int = 0
     queued_tokens: int = 0
     computing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ledger: Ledger | None = None  # None: worker times are not kept
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
@@ -278,6 +293,8 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
         report = common_pb2.TransferReport(handoff_ms=handoff_ms, kv_bytes=kv_bytes,
                                            kv_pages=len(request.destination.page_ids),
                                            transport="sim", kv_transfer_total_ms=handoff_ms)
+        if self.ledger is not None:
+            self.ledger.charge(request.request_id, received)
         return prefill_pb2.PrefillResponse(first_token=request.token_ids[0],
                                            queue_ms=(started - received) * 1e3,
                                            prefill_ms=prefill_ms, transfer=report,
