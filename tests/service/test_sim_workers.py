@@ -161,3 +161,48 @@ def test_an_idle_shared_decode_stream_is_closed_and_the_next_sequence_opens_a_ne
         assert one("b") == [8, 9, 10]  # on a new stream
         assert len(set(readers()) - before) == 1
         streams.close()
+
+
+def test_two_routers_share_one_pool(tiny_model_dir) -> None:
+    """Routers are stateless replicas: two of them in front of the same 8 + 8 simulated
+    workers, requests sent to both at once, each placing by what it sees (the workers' Stats
+    and its own calls): every request comes back right, both spread over the pool, and every
+    reservation of either is released on the workers."""
+    first = f"127.{os.getpid() % 200 + 20}.252.1"
+    pport, dport = free_port(), free_port()
+    cfg = SimConfig(prefill=WORKERS, decode=WORKERS, first_address=first, prefill_port=pport,
+                    decode_port=dport)
+    sim = pdserve_argv("sim", "--prefill", str(WORKERS), "--decode", str(WORKERS),
+                       "--first-address", first, "--prefill-port", str(pport),
+                       "--decode-port", str(dport))
+    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    ports = [free_port(), free_port()]
+
+    def router(port: int) -> list[str]:
+        return pdserve_argv("router", "--model", str(tiny_model_dir), "--port", str(port),
+                            "--http-port", "-1", "--metrics-port", "-1", "--prefill",
+                            ",".join(prefill), "--decode", ",".join(decode),
+                            "--remote-prefill-min-tokens", "0")
+
+    prompts = [[5 + (i * 11 + j) % 200 for j in range(16 + i % 9)] for i in range(48)]
+    with running(sim, decode[-1]), running(router(ports[0]), f"127.0.0.1:{ports[0]}"), \
+            running(router(ports[1]), f"127.0.0.1:{ports[1]}"), \
+            grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as a, \
+            grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as b:
+        stubs = [router_pb2_grpc.RouterStub(a), router_pb2_grpc.RouterStub(b)]
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda i: _generate(stubs[i % 2], prompts[i], 5),
+                                    range(len(prompts))))
+        for prompt, (tokens, _) in zip(prompts, results):
+            assert tokens == [prompt[k % len(prompt)] for k in range(5)]
+        for which in (0, 1):
+            mine = results[which::2]
+            assert len({t["decode"] for _, t in mine}) >= 6, which
+            assert len({t["prefill"] for _, t in mine}) >= 6, which
+
+        def idle(address: str) -> bool:
+            with grpc.insecure_channel(address) as ch:
+                stats = decode_pb2_grpc.DecodeStub(ch).Stats(common_pb2.StatsRequest(), timeout=5)
+            return stats.free_pages == stats.num_pages and stats.reserved_tickets == 0
+
+        assert wait_for(lambda: all(idle(d) for d in decode), timeout_s=6)
