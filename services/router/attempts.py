@@ -19,10 +19,9 @@ has started, keeps its lease alive with a heartbeat (renewal.py): a long prefill
 pages, and when this router dies they come back within one `renew_lease_s`.
 
 Every wait on a peer is bounded and its error names the peer and the phase: Reserve
-(`reserve_timeout_s`), Prefill, which covers the prefill worker's queue, its compute and the
-KV handoff (`prefill_timeout_s`), and the decode stream's first message, i.e. the sequence
-joining D's batch (`decode_start_timeout_s`). The tokens after that are bounded by the
-decode worker's own wait for its next token and by the channel's keepalive.
+(`reserve_timeout_s`), Prefill: queue, compute and KV handoff (`prefill_timeout_s`), the
+decode stream's first message: the sequence joins D's batch (`decode_start_timeout_s`). Later
+tokens are bounded by the decode worker's wait for its next token and the channel keepalive.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from pdserve.router.placement import (
     place_decode,
     place_prefill,
 )
-from pdserve.router.pool import Worker, WorkerPool
+from pdserve.router.pool import WorkerPool
 from pdserve.router.renewal import LeaseKeeper
 from pdserve.router.reservation import ReservationHandle
 from pdserve.router.started import DecodeStream, Started
@@ -63,10 +62,10 @@ RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"})
 # did not hold. Nothing was streamed, so another attempt is still allowed.
 DECODE_START_RETRYABLE = RETRYABLE | {"FAILED_PRECONDITION"}
 LEASE_MARGIN_S = 10.0  # decode leases = the prefill deadline + this
-
-
-def _release_when_done(pool: WorkerPool, worker: Worker, _future: grpc.Future) -> None:
-    pool.release(worker)
+# Decode pools up to this size share one DecodeMany stream per worker; in a larger one each
+# stream sits idle, closes and reopens (three router threads each time): a call per sequence
+# costs less (1,000 simulated workers, docs/benchmarks.md: 23 req/s shared, 99 per call).
+SHARED_STREAM_MAX_WORKERS = 64
 
 
 class _Retry(Exception):
@@ -208,7 +207,7 @@ class AttemptRunner:
                 stub.Abort.future(decode_pb2.AbortRequest(
                     ticket=common_pb2.Ticket(request_id=worker_request_id),
                     reason="reserve abandoned by the router"), timeout=self._abort_timeout_s
-                ).add_done_callback(functools.partial(_release_when_done, self._pool, worker))
+                ).add_done_callback(lambda _call, w=worker: self._pool.release(w))
                 if isinstance(failure, ClientCancelled):
                     raise
                 down.append(str(failure))
@@ -226,7 +225,8 @@ class AttemptRunner:
                                        on_done=functools.partial(self._pool.release, worker),
                                        keeper=self._keeper)
             handle.placement = placement.explain()
-            handle.streams = worker.streams
+            if len(self._pool.healthy("decode")) <= SHARED_STREAM_MAX_WORKERS:
+                handle.streams = worker.streams
             return handle
         if full:  # every reachable decode worker said it has no room: tell the client now
             raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
