@@ -28,7 +28,7 @@ test: venv
 
 # mypy needs the package under its import name (pdserve -> services/): a symlink in build/.
 # The generated stubs (pdserve.v1) are only followed as imports, never checked themselves.
-TYPED := common engine kvtransfer router worker prefill decode colocated bench sim
+TYPED := common engine kvtransfer router worker prefill decode colocated bench sim plan
 
 lint: venv
 	$(BIN)/ruff check services tests

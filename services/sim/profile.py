@@ -1,8 +1,19 @@
 """What a simulated worker's times are made of: linear models a real run can calibrate.
 
-    prefill_ms(n)      = prefill_base_ms + prefill_ms_per_token * n      (one prompt at a time)
-    decode_step_ms(b)  = decode_base_ms + decode_ms_per_seq * b          (b sequences per step)
-    handoff_ms(bytes)  = handoff_base_ms + bytes / (handoff_gb_s * 1e9) * 1e3
+    prefill_ms(n)        = prefill_base_ms + prefill_ms_per_token * n
+                           + prefill_ms_per_attended_token * n (n + 1) / 2   (one prompt alone)
+    decode_step_ms(b, c) = decode_base_ms + decode_ms_per_seq * b
+                           + decode_ms_per_attended_token * c   (b sequences, c context tokens)
+    handoff_ms(bytes)    = handoff_base_ms + bytes / (handoff_gb_s * 1e9) * 1e3
+
+The attention terms count (query token, key token) pairs: a prompt chunk of n tokens after s
+computed ones attends to n s + n (n + 1) / 2 of them, a decode step to every sequence's
+context. `step_ms` prices one engine step of decodes and prompt chunks together (what
+`pdserve plan` simulates). The fields after `max_model_len` are used by `pdserve plan` only
+and default to "no effect", so a profile without them times everything as before:
+`request_overhead_ms` (router and RPC time in every TTFT), `tp_efficiency` (a worker with
+tensor parallelism N runs its steps 1 + tp_efficiency (N - 1) times faster; 0: not modelled)
+and `devices_per_worker` (the cores or GPUs one worker of TP 1 uses, for goodput per device).
 
 The defaults are the bench-7m model's on a 2-vCPU AMD EPYC (Zen 5) with both cores: ~60 ms
 for a 960-token prompt, ~4 ms for a decode step of a few sequences, the same-host handoff.
@@ -14,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,21 +42,53 @@ class SimProfile:
     block_size: int = 16
     num_pages: int = 4096
     max_model_len: int = 4096
+    prefill_ms_per_attended_token: float = 0.0
+    decode_ms_per_attended_token: float = 0.0
+    request_overhead_ms: float = 0.0
+    tp_efficiency: float = 0.0
+    devices_per_worker: float = 1.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"profile field {f.name}={value!r}: expected a number >= 0")
-        for name in ("handoff_gb_s", "block_size", "num_pages", "max_model_len"):
+        for name in ("handoff_gb_s", "block_size", "num_pages", "max_model_len",
+                     "devices_per_worker"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"profile field {name}={getattr(self, name)!r}: expected > 0")
 
     def prefill_ms(self, num_tokens: int) -> float:
-        return self.prefill_base_ms + self.prefill_ms_per_token * num_tokens
+        return self.prefill_base_ms + self.prefill_ms_per_token * num_tokens \
+            + self.prefill_ms_per_attended_token * num_tokens * (num_tokens + 1) / 2
 
-    def decode_step_ms(self, batch: int) -> float:
-        return self.decode_base_ms + self.decode_ms_per_seq * batch
+    def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
+        return self.decode_base_ms + self.decode_ms_per_seq * batch \
+            + self.decode_ms_per_attended_token * context_tokens
+
+    def step_ms(self, num_decodes: int, context_tokens: int,
+                chunks: Iterable[tuple[int, int]] = ()) -> float:
+        """One engine step: `num_decodes` sequences decoding over `context_tokens` tokens of
+        context in all, beside prompt chunks given as (tokens computed before, chunk tokens).
+        With no chunk it is `decode_step_ms`; with no decode, one chunk from 0 is `prefill_ms`.
+        A step of both pays the larger base once and each part's per-token costs."""
+        tokens = attended = 0
+        for start, n in chunks:
+            tokens += n
+            attended += n * start + n * (n + 1) // 2
+        if not tokens:
+            return self.decode_step_ms(num_decodes, context_tokens)
+        ms = self.prefill_ms_per_token * tokens + self.prefill_ms_per_attended_token * attended
+        if not num_decodes:
+            return self.prefill_base_ms + ms
+        return max(self.prefill_base_ms, self.decode_base_ms) + ms \
+            + self.decode_ms_per_seq * num_decodes \
+            + self.decode_ms_per_attended_token * context_tokens
+
+    def tp_speedup(self, tp: int) -> float:
+        """How many times faster a worker with tensor parallelism `tp` steps (1 + tp_efficiency
+        (tp - 1); 1.0 when tp_efficiency is 0: TP not modelled)."""
+        return 1.0 + self.tp_efficiency * (tp - 1)
 
     def handoff_ms(self, num_bytes: int) -> float:
         return self.handoff_base_ms + num_bytes / (self.handoff_gb_s * 1e9) * 1e3

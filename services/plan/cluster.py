@@ -1,0 +1,229 @@
+"""A simulated deployment: the router's placement over simulated engines, one run of requests.
+
+What the router does, as `router/attempts.py` does it, placing with the real ranking functions
+of `router/placement.py` (fed the loads the router would see, exactly and without delay):
+
+- every request first gets a decode (or co-located) worker: `place_decode`, the first in the
+  ranking with fewer than `max_num_seqs` sequences live (running, waiting or reserved) takes it;
+  when none has room the request fails (RESOURCE_EXHAUSTED), as a real one would;
+- co-located: the worker computes the prompt itself (started at Reserve);
+- disaggregated: an uncached part shorter than `remote_prefill_min_tokens` is computed by the
+  decode worker itself (its chunk `decode_chunk_size`, one prompt beside its decodes);
+  otherwise `place_prefill` picks a prefill worker, which computes it and ships the KV, and the
+  decode worker admits the sequence between two of its steps once the KV has landed.
+
+Every request's TTFT also carries `request_overhead_ms` from the profile (router and RPCs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.plan.engine_model import EngineParams, EngineSim, Events, Job
+from pdserve.plan.workload import Request
+from pdserve.router.placement import DecodeLoad, PrefillLoad, place_decode, place_prefill
+from pdserve.sim.profile import SimProfile
+
+MODES = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One configuration to simulate: `num_prefill` + `num_decode` workers (co-located:
+    `num_decode` workers doing both, `num_prefill` 0), each with tensor parallelism `tp`."""
+
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    chunk_size: int = 512           # prefill and co-located workers' --chunk-size
+    tp: int = 1
+    max_prefill_tokens: int = 2048
+    max_num_seqs: int = 256
+    decode_chunk_size: int = 64     # decode workers' --chunk-size (their own short prompts)
+    remote_prefill_min_tokens: int = 256  # the router's flag
+    prefill_age_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}: expected one of {MODES}")
+        want_prefill = self.mode == "disaggregated"
+        if want_prefill != (self.num_prefill > 0) or self.num_decode <= 0:
+            want = ">= 1 and >= 1" if want_prefill else "0 and >= 1"
+            raise ValueError(f"{self.mode}: num_prefill={self.num_prefill}, num_decode="
+                             f"{self.num_decode}: expected {want}")
+        for name in ("chunk_size", "tp", "max_prefill_tokens", "max_num_seqs",
+                     "decode_chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected > 0")
+
+    @property
+    def workers(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def name(self) -> str:
+        tp = f" tp{self.tp}" if self.tp > 1 else ""
+        if self.mode == "colocated":
+            return f"colocated x{self.num_decode} chunk {self.chunk_size}{tp}"
+        return f"{self.num_prefill}P+{self.num_decode}D chunk {self.chunk_size}{tp}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request as its client would see it (times in ms from its arrival)."""
+
+    index: int
+    prompt_tokens: int
+    output_tokens: int
+    ok: bool
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    workers: str = ""
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.ttft_ms is None or self.e2e_ms is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+
+class Stop(Exception):
+    """A run gave up early: more requests missed their objectives than it may."""
+
+
+@dataclass(frozen=True)
+class EarlyStop:
+    """Stop a run once more than `max_misses` requests have missed an objective."""
+
+    ttft_ms: float | None
+    tpot_ms: float | None
+    max_misses: int
+
+
+class _Router:
+    def __init__(self, dep: Deployment, profile: SimProfile, events: Events,
+                 stop: EarlyStop | None):
+        self.dep, self.profile, self.events, self.stop = dep, profile, events, stop
+        self.misses = 0
+        speedup = profile.tp_speedup(dep.tp)
+        callbacks = {"on_first_token": self._first_token, "on_done": self._done,
+                     "on_handed_off": self._handed_off}
+        if dep.mode == "colocated":
+            decode = EngineParams("colocated", dep.chunk_size, dep.max_prefill_tokens,
+                                  dep.max_num_seqs, 0, dep.prefill_age_ms, speedup)
+        else:
+            decode = EngineParams("decode", dep.decode_chunk_size, dep.max_prefill_tokens,
+                                  dep.max_num_seqs, 1, dep.prefill_age_ms, speedup)
+        prefill = EngineParams("prefill", dep.chunk_size, dep.max_prefill_tokens,
+                               dep.max_num_seqs, 0, dep.prefill_age_ms, speedup)
+        self.decoders = {f"{decode.role}{i}": EngineSim(f"{decode.role}{i}", decode, profile,
+                                                        events, **callbacks)
+                         for i in range(dep.num_decode)}
+        self.prefillers = {f"prefill{i}": EngineSim(f"prefill{i}", prefill, profile, events,
+                                                    **callbacks)
+                           for i in range(dep.num_prefill)}
+        self.placed = dict.fromkeys(self.decoders, 0)
+        self.inflight = dict.fromkeys(self.decoders, 0)
+        self.prefill_tokens = dict.fromkeys(self.prefillers, 0)
+        self.decoder_of: dict[int, EngineSim] = {}
+        self.prefiller_of: dict[int, EngineSim] = {}
+        self.failed: list[Job] = []
+
+    def arrive(self, job: Job) -> None:
+        decode = self._reserve(job)
+        if decode is None:
+            self.failed.append(job)
+            self._miss()
+            return
+        uncached = job.prompt_tokens - job.cached_tokens
+        if self.dep.mode == "colocated" or uncached < self.dep.remote_prefill_min_tokens:
+            decode.add_prompt(job)
+            return
+        decode.reserved += 1
+        prefill = self._pick_prefill(uncached)
+        self.prefill_tokens[prefill.name] += uncached
+        self.prefiller_of[job.index] = prefill
+        prefill.add_prompt(job)
+
+    def _reserve(self, job: Job) -> EngineSim | None:
+        if len(self.decoders) == 1:
+            ranked = list(self.decoders)
+        else:
+            loads = [DecodeLoad(name, True, running_sequences=len(e.running) + len(e.joining),
+                                waiting_sequences=len(e.waiting), reserved_tickets=e.reserved,
+                                placed=self.placed[name], inflight=self.inflight[name])
+                     for name, e in self.decoders.items()]
+            ranked = place_decode(loads, job.prompt_tokens).ranked
+        for name in ranked:
+            engine = self.decoders[name]
+            if engine.live < self.dep.max_num_seqs:
+                self.placed[name] += 1
+                self.inflight[name] += 1
+                self.decoder_of[job.index] = engine
+                return engine
+        return None
+
+    def _pick_prefill(self, uncached: int) -> EngineSim:
+        if len(self.prefillers) == 1:
+            return next(iter(self.prefillers.values()))
+        loads = [PrefillLoad(name, True, queued_prompt_tokens=e.queued_prompt_tokens,
+                             inflight_prompt_tokens=self.prefill_tokens[name])
+                 for name, e in self.prefillers.items()]
+        return self.prefillers[place_prefill(loads, uncached).ranked[0]]
+
+    def _handed_off(self, job: Job, at_ms: float) -> None:
+        self.events.at(at_ms, self._land, job)
+
+    def _land(self, job: Job) -> None:
+        prefill = self.prefiller_of.pop(job.index)
+        self.prefill_tokens[prefill.name] -= job.prompt_tokens - job.cached_tokens
+        self.decoder_of[job.index].admit(job)
+
+    def _first_token(self, job: Job, at_ms: float) -> None:
+        job.first_token_ms = at_ms
+        limit = self.stop.ttft_ms if self.stop else None
+        if limit is not None and at_ms - job.arrival_ms > limit:
+            self._miss()
+
+    def _done(self, job: Job, at_ms: float) -> None:
+        job.done_ms = at_ms
+        decode = self.decoder_of.pop(job.index)
+        self.inflight[decode.name] -= 1
+        limit = self.stop.tpot_ms if self.stop else None
+        first = job.first_token_ms
+        ttft_limit = self.stop.ttft_ms if self.stop else None
+        if limit is not None and first is not None and job.output_tokens > 1 and \
+                (at_ms - first) / (job.output_tokens - 1) > limit and \
+                not (ttft_limit is not None and first - job.arrival_ms > ttft_limit):
+            self._miss()  # (a TTFT miss was counted already)
+
+    def _miss(self) -> None:
+        self.misses += 1
+        if self.stop is not None and self.misses > self.stop.max_misses:
+            raise Stop
+
+
+def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile,
+             stop: EarlyStop | None = None) -> list[Outcome]:
+    """Run `requests` through `dep`; every request's outcome, in request order. Raises `Stop`
+    when `stop` is given and more requests than it allows miss an objective."""
+    events = Events()
+    router = _Router(dep, profile, events, stop)
+    overhead = profile.request_overhead_ms
+    jobs = [Job(r.index, r.arrival_ms - overhead, r.prompt_tokens, r.output_tokens,
+                r.cached_tokens, r.cached_tokens) for r in requests]
+    for job, request in zip(jobs, requests):
+        events.at(request.arrival_ms, router.arrive, job)
+    events.run()
+    failed = {job.index for job in router.failed}
+    out = []
+    for job in jobs:
+        first, done = job.first_token_ms, job.done_ms
+        if job.index in failed or first is None or done is None:
+            out.append(Outcome(job.index, job.prompt_tokens, job.output_tokens, False))
+            continue
+        out.append(Outcome(job.index, job.prompt_tokens, job.output_tokens, True,
+                           first - job.arrival_ms, done - job.arrival_ms,
+                           " -> ".join(job.workers)))
+    return out

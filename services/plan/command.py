@@ -1,0 +1,169 @@
+"""`pdserve plan`: size prefill and decode pools before deploying them.
+
+From a profile (the engine's step times and the handoff's, as `pdserve profile` measures them
+on the hardware at hand), a workload (rate process, prompt and output lengths, prefix reuse)
+and SLOs (TTFT, TPOT), simulate co-located and disaggregated configurations with a
+discrete-event model of the engine's scheduling and the router's placement, and rank them by
+goodput per worker: the highest request rate at which at least --attainment of requests meet
+both SLOs, divided by the workers it takes.
+
+    pdserve plan --workload fixed:256,128 --ttft-slo-ms 500 --tpot-slo-ms 50 --max-workers 4
+    pdserve plan --profile my.json --workload chat --prefix-share 0.5 --chunk-sizes 256,512 \\
+        --json plan.json --plot plan.png
+
+Every line of the table is a prediction; docs/planning.md says what the model includes and
+what it leaves out.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.common.config import option, parse_config, require
+from pdserve.plan.cluster import MODES, Deployment
+from pdserve.plan.report import RANK_BY, Ranked, devices_of, plot, rank, table, tp_note, write_json
+from pdserve.plan.search import Goodput, Slo, deployments, plan, predict
+from pdserve.plan.workload import ARRIVALS_HELP, Workload
+from pdserve.sim.profile import SimProfile
+
+WORKLOAD_HELP = ("prompt and output lengths, as pdserve bench serve --workload: fixed:IN,OUT | "
+                 "uniform:IN_LO-IN_HI,OUT_LO-OUT_HI | chat[:IN_MEDIAN,OUT_MEDIAN] | "
+                 "mixed:SHORT,LONG,SHARE,OUT")
+CURVE = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)  # x the best goodput shown
+
+
+def _ints(text: tuple[str, ...]) -> list[int]:
+    return [int(part) for part in text]
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Options of `pdserve plan` (each also PDSERVE_PLAN_<NAME>)."""
+
+    profile: str = option("", "profile JSON (pdserve profile writes one; any fields of "
+                              "pdserve.sim.profile.SimProfile); default: the built-in profile "
+                              "(bench-7m on a 2-vCPU Zen 5)")
+    workload: str = option("fixed:256,128", WORKLOAD_HELP)
+    arrivals: str = option("poisson", f"arrival process: {ARRIVALS_HELP}")
+    prefix_share: float = option(0.0, "share of every prompt's tokens found in the prefix "
+                                      "cache (0 <= share < 1)")
+    num_requests: int = option(1000, "requests simulated per worker at each rate (a deployment "
+                                       "of N workers: N times as many)")
+    seed: int = option(0, "seed of lengths and arrivals (pdserve bench serve's --seed sends "
+                          "the same requests)")
+    ttft_slo_ms: float = option(500.0, "TTFT objective, ms (0: none)")
+    tpot_slo_ms: float = option(50.0, "TPOT objective, ms (0: none)")
+    attainment: float = option(0.9, "share of requests that must meet both objectives")
+    max_workers: int = option(4, "configurations up to this many workers (prefill + decode)")
+    modes: tuple[str, ...] = option(MODES, "which kinds of configuration: colocated, "
+                                           "disaggregated")
+    chunk_sizes: tuple[str, ...] = option(("512",), "prefill (and co-located) --chunk-size "
+                                                    "values to try")
+    tp: tuple[str, ...] = option(("1",), "tensor-parallel degrees to try (not modelled unless "
+                                         "the profile has tp_efficiency; see docs/planning.md)")
+    max_prefill_tokens: int = option(2048, "workers' --max-prefill-tokens")
+    max_num_seqs: int = option(256, "workers' --max-num-seqs")
+    decode_chunk_size: int = option(64, "decode workers' --chunk-size")
+    remote_prefill_min_tokens: int = option(256, "the router's --remote-prefill-min-tokens")
+    rates: tuple[str, ...] = option((), "rates (req/s) at which the configurations shown are "
+                                        "also simulated in full, for --plot and --json "
+                                        "(default: 0.1x to 2x the best goodput shown)")
+    need_rate: float = option(0.0, "the rate the deployment must serve (req/s): the table "
+                                   "says which configurations reach it")
+    rank_by: str = option("worker", "rank by goodput per worker, per device (worker x TP x "
+                                    "the profile's devices_per_worker) or in total",
+                          choices=RANK_BY)
+    top: int = option(10, "configurations shown, plotted and given curves (0: all)")
+    json: str = option("", "write the ranking, each configuration's prediction and curve here")
+    plot: str = option("", "PNG of predicted SLO attainment vs rate (matplotlib)")
+    progress: bool = option(True, "one line per configuration on stderr as it is searched")
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "max_workers", "max_prefill_tokens", "max_num_seqs",
+                     "decode_chunk_size"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "need_rate", "remote_prefill_min_tokens",
+                     "top"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        require(self.ttft_slo_ms > 0 or self.tpot_slo_ms > 0, "ttft_slo_ms",
+                self.ttft_slo_ms, "> 0 where --tpot-slo-ms is 0")
+        require(bool(self.modes) and set(self.modes) <= set(MODES), "modes", self.modes,
+                " and/or ".join(MODES))
+        for name in ("chunk_sizes", "tp", "rates"):
+            values = getattr(self, name)
+            require(all(_positive(v) for v in values) and (name == "rates" or bool(values)),
+                    name, values, "positive numbers, comma-separated")
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(PlanConfig, "plan", argv, prog="pdserve plan", description=__doc__)
+    try:
+        profile = SimProfile.load(cfg.profile) if cfg.profile else SimProfile()
+        workload = Workload(cfg.workload, cfg.arrivals, cfg.prefix_share, cfg.num_requests,
+                            cfg.seed, profile.block_size)
+        slo = Slo(cfg.ttft_slo_ms or None, cfg.tpot_slo_ms or None, cfg.attainment)
+        chunk_sizes, tps = _ints(cfg.chunk_sizes), _ints(cfg.tp)
+        configs = _configs(cfg, chunk_sizes, tps)
+    except ValueError as exc:
+        print(f"pdserve plan: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+
+    def progress(i: int, result: Goodput) -> None:
+        if cfg.progress:
+            print(f"[{i + 1}/{len(configs)}] {result.deployment.name}: {result.rate:.2f} req/s "
+                  f"({len(result.points)} runs, {time.perf_counter() - started:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+    found = plan(configs, workload, profile, slo, progress)
+    results = [Ranked(g.deployment, g.rate, devices_of(g.deployment, profile)) for g in found]
+    for r in results:
+        if r.goodput_rps > 0:
+            r.at_goodput = predict(r.deployment, workload, profile, r.goodput_rps, slo)
+    ranked = rank(results, cfg.rank_by)
+    shown = ranked[:cfg.top] if cfg.top else ranked
+    rates = [float(r) for r in cfg.rates] or \
+        [k * max((r.goodput_rps for r in shown), default=1.0) or 1.0 for k in CURVE]
+    if cfg.plot or cfg.json:
+        for r in shown:
+            r.curve = [predict(r.deployment, workload, profile, rate, slo) for rate in rates]
+    notes = [n for n in (tp_note(profile, tps),) if n]
+    print(f"pdserve plan: {len(configs)} configurations, up to {cfg.max_workers} workers")
+    print(f"workload: {workload.describe()}")
+    print(f"SLO: {slo.describe()}")
+    print(f"profile: {cfg.profile or 'built-in (bench-7m, 2-vCPU Zen 5)'}")
+    for note in notes:
+        print(note)
+    print(f"ranked by goodput per {cfg.rank_by}" if cfg.rank_by != "total" else
+          "ranked by goodput")
+    print()
+    print(table(shown, cfg.need_rate or None))
+    if cfg.json:
+        write_json(Path(cfg.json), ranked, profile=profile, profile_path=cfg.profile,
+                   workload=workload, slo=slo, rank_by=cfg.rank_by, notes=notes)
+        print(f"wrote {cfg.json}")
+    if cfg.plot:
+        print(f"wrote {cfg.plot}" if plot(Path(cfg.plot), shown, slo) else
+              "no plot: matplotlib is not installed")
+    return 0
+
+
+def _configs(cfg: PlanConfig, chunk_sizes: list[int], tps: list[int]) -> list[Deployment]:
+    return deployments(cfg.max_workers, cfg.modes, chunk_sizes, tps,
+                       max_prefill_tokens=cfg.max_prefill_tokens, max_num_seqs=cfg.max_num_seqs,
+                       decode_chunk_size=cfg.decode_chunk_size,
+                       remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
