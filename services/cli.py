@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "one engine doing prefill and decode (comparison baseline)"),
     "sim": ("pdserve.sim.host", "simulated prefill/decode workers (real protocols, profiled "
                                 "times): a large pool for a real router on one machine"),
+    "plan": ("pdserve.plan.command", "size prefill/decode pools: simulate configurations "
+                                     "against a workload and SLOs, ranked by goodput"),
     "certs": ("pdserve.certs", "make a throwaway CA and certificates: pdserve certs create DIR"),
     "model": ("pdserve.engine.builtin",
               "create a built-in model: pdserve model create tiny|small|bench-7m|bench-152m DIR"),
