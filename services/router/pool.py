@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -33,6 +32,7 @@ from pdserve.router.cache_feed import Followed
 from pdserve.router.check_schedule import plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
+from pdserve.router.worker import Worker
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.router.pool")
@@ -47,36 +47,6 @@ CHANNEL_OPTIONS = (
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 ROLES = ("prefill", "decode")
 RECHECK_DOWN_S = 0.5
-
-
-@dataclass
-class Worker:
-    """One worker: its channel and stubs, and the router's latest knowledge of it."""
-
-    address: str
-    role: str  # "prefill" or "decode"
-    channel: grpc.Channel
-    stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub
-    health: health_pb2_grpc.HealthStub
-    healthy: bool = False
-    stats: common_pb2.WorkerStats | None = None
-    inflight_prompt_tokens: int = 0
-    placed: int = 0  # prompts sent (prefill), reservations granted (decode): spreads ties
-    calls: int = 0  # this router's calls on it now (acquire .. release)
-    checked: bool = False  # read at least once since it joined
-    member: bool = True  # False once retired: no new calls; dropped after its last one
-    last_error: str = field(default="", repr=False)
-    streams: DecodeStreams | None = None  # decode: the shared stream its sequences run on
-
-    @property
-    def prefill(self) -> prefill_pb2_grpc.PrefillStub:
-        assert isinstance(self.stub, prefill_pb2_grpc.PrefillStub)
-        return self.stub
-
-    @property
-    def decode(self) -> decode_pb2_grpc.DecodeStub:
-        assert isinstance(self.stub, decode_pb2_grpc.DecodeStub)
-        return self.stub
 
 
 class WorkerPool:
@@ -210,7 +180,6 @@ class WorkerPool:
             with self._lock:
                 members = [w for w in self._workers.values() if w.member]
                 urgent = [w for w in members if w.address in self._suspects or not w.checked]
-                self._suspects.clear()
             turn = plan_round(members, self._rotation, self.interval_s, urgent)
             self._rotation = turn.next_start
             try:
@@ -240,6 +209,9 @@ class WorkerPool:
             except grpc.RpcError:
                 fresh = None
             with self._lock:
+                if worker.address in self._suspects:  # drawn again (or not) from now on
+                    self._suspects.discard(worker.address)
+                    self._healthy.clear()
                 if not worker.member:
                     continue
                 if healthy != worker.healthy:
@@ -341,12 +313,14 @@ class WorkerPool:
                 joins=self._joins[role], leaves=self._leaves[role]) for role in ROLES}
 
     def healthy(self, role: str) -> list[str]:
-        """The healthy members of `role` (kept between changes: placement samples from it)."""
+        """The healthy members of `role` not suspected down since their last check (kept
+        between changes: placement in a large pool draws from it)."""
         with self._lock:
             found = self._healthy.get(role)
             if found is None:
-                found = self._healthy[role] = [w.address for w in self._workers.values()
-                                               if w.role == role and w.member and w.healthy]
+                found = self._healthy[role] = [
+                    w.address for w in self._workers.values() if w.role == role and w.member
+                    and w.healthy and w.address not in self._suspects]
             return found
 
     def _members(self, role: str, among: Collection[str] | None) -> list[Worker]:
@@ -382,10 +356,11 @@ class WorkerPool:
 
     def suspect(self, address: str) -> None:
         """A call to `address` failed as if the worker were down: check it now (a small
-        pool: every worker)."""
+        pool: every worker); until then it is not drawn for placement in a large pool."""
         log.debug("worker %s suspected down; checking now", address)
         with self._lock:
             self._suspects.add(address)
+            self._healthy.clear()
         self._wake.set()
 
     def note_reserved(self, worker: Worker, num_pages: int) -> None:

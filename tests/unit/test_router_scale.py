@@ -91,3 +91,22 @@ def test_a_large_pool_is_read_in_rolling_slices_plus_the_urgent_ones():
     wrap = plan_round(members, 990, 1.0, urgent=[members[5], members[995], members[500]])
     assert wrap.workers == [*range(990, 1000), *range(size - 10), 500]  # urgent ones once
     assert tick_s(1000, 1.0, all_healthy=True, recheck_down_s=0.5) == TICK_S
+
+
+def test_a_suspected_worker_is_not_drawn_until_its_check_answers():
+    from pdserve.router.pool import WorkerPool
+
+    addresses = [f"127.0.0.1:{p}" for p in range(1, 301)]  # nothing listens there
+    pool = WorkerPool(decode=addresses, timeout_s=1.0)
+    try:
+        for worker in pool._workers.values():
+            worker.healthy = True
+        assert len(pool.healthy("decode")) == 300
+        pool.suspect(addresses[5])  # a call to it just failed UNAVAILABLE
+        assert addresses[5] not in pool.healthy("decode")
+        assert len(pool.healthy("decode")) == 299
+        pool.check_now([pool._workers[("decode", addresses[5])]])  # its check: refused
+        assert addresses[5] not in pool.healthy("decode")
+        assert pool._suspects == set()  # answered: no longer suspected, now unhealthy
+    finally:
+        pool.close()

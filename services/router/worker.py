@@ -1,0 +1,41 @@
+"""One worker as the router's pool holds it: its channel and stubs, and what the router knows
+of it (health, last Stats, its own calls there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from pdserve.router.mux import DecodeStreams
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+
+@dataclass
+class Worker:
+    """One worker: its channel and stubs, and the router's latest knowledge of it."""
+
+    address: str
+    role: str  # "prefill" or "decode"
+    channel: grpc.Channel
+    stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    stats: common_pb2.WorkerStats | None = None
+    inflight_prompt_tokens: int = 0
+    placed: int = 0  # prompts sent (prefill), reservations granted (decode): spreads ties
+    calls: int = 0  # this router's calls on it now (acquire .. release)
+    checked: bool = False  # read at least once since it joined
+    member: bool = True  # False once retired: no new calls; dropped after its last one
+    last_error: str = field(default="", repr=False)
+    streams: DecodeStreams | None = None  # decode: the shared stream its sequences run on
+
+    @property
+    def prefill(self) -> prefill_pb2_grpc.PrefillStub:
+        assert isinstance(self.stub, prefill_pb2_grpc.PrefillStub)
+        return self.stub
+
+    @property
+    def decode(self) -> decode_pb2_grpc.DecodeStub:
+        assert isinstance(self.stub, decode_pb2_grpc.DecodeStub)
+        return self.stub
