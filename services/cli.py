@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                 "times): a large pool for a real router on one machine"),
     "plan": ("pdserve.plan.command", "size prefill/decode pools: simulate configurations "
                                      "against a workload and SLOs, ranked by goodput"),
+    "profile": ("pdserve.plan.measure", "time the engine's steps on this machine and write a "
+                                        "profile for pdserve plan and pdserve sim"),
     "certs": ("pdserve.certs", "make a throwaway CA and certificates: pdserve certs create DIR"),
     "model": ("pdserve.engine.builtin",
               "create a built-in model: pdserve model create tiny|small|bench-7m|bench-152m DIR"),

@@ -1,0 +1,261 @@
+"""`pdserve profile`: measure the engine on this machine and write a profile for `pdserve plan`.
+
+Runs the real engine in this process on a model, as a worker would (same engine, same
+threads), and times its steps:
+
+- prefill: one step of k prompts of L tokens each, nothing decoding, for every L of
+  --prompt-lengths and k of --prefill-batches (k x L within one step's budget);
+- decode: steps of b sequences with C tokens of context each, for every b of --decode-batches
+  and C of --contexts;
+- handoff: a memory copy of KV bytes (the same-host path is one copy), for its GB/s; its base
+  (the RPC round trips around it) is --handoff-base-ms, as `pdserve bench handoff` reports it.
+
+Each point is the median of --repeats steps. The step-time models of `pdserve.sim.profile` are
+fitted to them by least squares (no negative cost) and written as a profile JSON that
+`pdserve plan --profile` and `pdserve sim --profile` read; the measured points, the fit and
+its error per point are printed (and written with --points-json).
+
+    pdserve profile --model bench-7m --out bench-7m.profile.json
+    pdserve plan --profile bench-7m.profile.json --workload chat
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdserve.common.config import option, parse_config, require
+from pdserve.common.models import DEFAULT_MODEL
+from pdserve.plan.fit import Fit, fit_nonnegative
+from pdserve.sim.profile import SimProfile
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Options of `pdserve profile` (each also PDSERVE_PROFILE_<NAME>)."""
+
+    model: str = option(DEFAULT_MODEL, "a local Hugging Face model directory, or a built-in "
+                                       "model (smollm2, tiny, small, bench-7m, bench-152m)")
+    dtype: str = option("auto", "weights and KV dtype, as the workers' --dtype")
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    threads: int = option(0, "torch threads (0: this process's CPU allowance, as a worker)")
+    block_size: int = option(16, "tokens per KV page")
+    prompt_lengths: tuple[str, ...] = option(("32", "128", "512", "1024"),
+                                             "prompt lengths timed (clipped to the context)")
+    prefill_batches: tuple[str, ...] = option(("1", "2"), "prompts per prefill step")
+    decode_batches: tuple[str, ...] = option(("1", "4", "16"), "sequences per decode step")
+    contexts: tuple[str, ...] = option(("64", "512"), "context tokens of each decoding "
+                                                      "sequence")
+    repeats: int = option(5, "steps timed per point (their median counts)")
+    handoff_base_ms: float = option(0.5, "fixed cost of one KV handoff (RPCs), ms")
+    out: str = option("profile.json", "where the profile is written")
+    points_json: str = option("", "also write the measured points and the fit here")
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_lengths", "prefill_batches", "decode_batches", "contexts"):
+            values = getattr(self, name)
+            require(bool(values) and all(v.isdigit() and int(v) > 0 for v in values), name,
+                    values, "positive integers, comma-separated")
+        require(self.repeats > 0, "repeats", self.repeats, "> 0")
+        require(self.threads >= 0, "threads", self.threads, ">= 0")
+        require(self.block_size > 0, "block_size", self.block_size, "> 0")
+        require(self.handoff_base_ms >= 0, "handoff_base_ms", self.handoff_base_ms, ">= 0")
+
+
+def _ints(values: tuple[str, ...]) -> list[int]:
+    return sorted({int(v) for v in values})
+
+
+class Timer:
+    """Drives an engine through the steps to time (the engine is this object's alone)."""
+
+    def __init__(self, engine: Engine, repeats: int):
+        from pdserve.common.sampling import SamplingParams
+
+        self.engine = engine
+        self.repeats = repeats
+        self._count = 0
+        self._vocab = engine.model.vocab_size
+        self._params = SamplingParams
+        self._rng = random.Random(0)
+
+    def _add(self, length: int, max_tokens: int) -> str:
+        self._count += 1
+        seq_id = f"p{self._count}"
+        prompt = [self._rng.randrange(3, self._vocab) for _ in range(length)]
+        self.engine.add_request(seq_id, prompt, self._params(max_tokens=max_tokens,
+                                                             temperature=0.0, ignore_eos=True))
+        return seq_id
+
+    def prefill_ms(self, length: int, batch: int) -> float:
+        """Median ms of one step computing `batch` whole prompts of `length`, alone."""
+        times = []
+        for _ in range(self.repeats):
+            for _ in range(batch):
+                self._add(length, 1)
+            start = time.perf_counter()
+            self.engine.step()
+            times.append((time.perf_counter() - start) * 1e3)
+            assert not self.engine.has_work(), "a prefill point took more than one step"
+        return statistics.median(times)
+
+    def decode_ms(self, batch: int, context: int) -> list[tuple[int, float]]:
+        """(context tokens in all, ms) of `repeats` decode steps of `batch` sequences whose
+        prompts are `context` tokens."""
+        ids = [self._add(context, self.repeats + 2) for _ in range(batch)]
+        while self.engine.waiting:
+            self.engine.step()
+        out = []
+        for _ in range(self.repeats):
+            total = sum(s.num_tokens for s in self.engine.running)
+            start = time.perf_counter()
+            self.engine.step()
+            out.append((total, (time.perf_counter() - start) * 1e3))
+        for seq_id in ids:
+            self.engine.abort(seq_id)
+        return out
+
+
+def copy_gb_s(page_bytes: int, device: str) -> float:
+    """GB/s of one memory copy of 64 pages' bytes (median of 5)."""
+    import torch
+
+    src = torch.ones(64 * page_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return src.numel() / statistics.median(times) / 1e9
+
+
+@dataclass(frozen=True)
+class Measured:
+    prefill: list[dict[str, float]]  # length, batch, tokens, attended, ms
+    decode: list[dict[str, float]]   # batch, context_tokens, ms
+    prefill_fit: Fit
+    decode_fit: Fit
+
+
+def fit_points(prefill: list[dict[str, float]], decode: list[dict[str, float]]) -> Measured:
+    """The profile's step models fitted to the measured points."""
+    prefill_fit = fit_nonnegative([[1.0, p["tokens"], p["attended"]] for p in prefill],
+                                  [p["ms"] for p in prefill])
+    decode_fit = fit_nonnegative([[1.0, d["batch"], d["context_tokens"]] for d in decode],
+                                 [d["ms"] for d in decode])
+    return Measured(prefill, decode, prefill_fit, decode_fit)
+
+
+def measure(cfg: ProfileConfig, progress: bool = True) -> tuple[SimProfile, Measured]:
+    import torch
+    from pdserve.common.cpus import cpu_allowance
+    from pdserve.engine.setup import build_engine, pool_plan
+
+    threads = cfg.threads or cpu_allowance()
+    torch.set_num_threads(threads)
+    lengths, batches = _ints(cfg.prompt_lengths), _ints(cfg.prefill_batches)
+    decode_batches, contexts = _ints(cfg.decode_batches), _ints(cfg.contexts)
+    longest = max(max(lengths), max(contexts)) + cfg.repeats + 4
+    budget = max(max(lengths) * max(batches), max(decode_batches) + 1)
+    pages = max(max(decode_batches) * (-(-longest // cfg.block_size)),
+                max(batches) * (-(-max(lengths) // cfg.block_size))) + 8
+    # the pool a worker would have (512 MiB, or one full-context sequence)
+    engine, _ = build_engine(cfg.model, role="colocated", dtype=cfg.dtype, device=cfg.device,
+                             block_size=cfg.block_size, chunk_size=budget,
+                             max_prefill_tokens=budget,
+                             max_num_seqs=max(decode_batches) + max(batches),
+                             prefix_caching=False)
+    try:
+        if engine.config.num_pages < pages:
+            raise ValueError(f"the points need {pages} KV pages, the pool holds "
+                             f"{engine.config.num_pages}: fewer --decode-batches or --contexts")
+        limit = engine.max_model_len - cfg.repeats - 3
+        lengths = sorted({min(n, limit) for n in lengths})
+        contexts = sorted({min(n, limit) for n in contexts})
+        timer = Timer(engine, cfg.repeats)
+        timer.prefill_ms(min(lengths), 1)  # warm-up
+        timer.decode_ms(1, min(contexts))
+        prefill = []
+        for length in lengths:
+            for batch in batches:
+                ms = timer.prefill_ms(length, batch)
+                prefill.append({"length": length, "batch": batch, "tokens": length * batch,
+                                "attended": batch * length * (length + 1) / 2, "ms": ms})
+                if progress:
+                    print(f"prefill {batch} x {length} tokens: {ms:.2f} ms", file=sys.stderr)
+        decode = []
+        for batch in decode_batches:
+            for context in contexts:
+                steps = timer.decode_ms(batch, context)
+                total = statistics.median(t for t, _ in steps)
+                ms = statistics.median(m for _, m in steps)
+                decode.append({"batch": batch, "context_tokens": total, "ms": ms})
+                if progress:
+                    print(f"decode {batch} x {context} context: {ms:.2f} ms", file=sys.stderr)
+        fingerprint = engine.model.fingerprint(cfg.block_size)
+        worker_pool = pool_plan(engine.model, "decode", cfg.block_size)
+        gb_s = copy_gb_s(fingerprint.page_bytes, cfg.device)
+    finally:
+        engine.close()
+    measured = fit_points(prefill, decode)
+    p, d = measured.prefill_fit.coefficients, measured.decode_fit.coefficients
+    profile = SimProfile(
+        prefill_base_ms=p[0], prefill_ms_per_token=p[1], prefill_ms_per_attended_token=p[2],
+        decode_base_ms=d[0], decode_ms_per_seq=d[1], decode_ms_per_attended_token=d[2],
+        handoff_base_ms=cfg.handoff_base_ms, handoff_gb_s=gb_s,
+        kv_bytes_per_token=fingerprint.page_bytes // cfg.block_size,
+        block_size=cfg.block_size, num_pages=worker_pool.num_pages,
+        max_model_len=worker_pool.max_model_len,
+        devices_per_worker=1.0 if cfg.device.startswith("cuda") else float(threads))
+    return profile, measured
+
+
+def report(measured: Measured) -> str:
+    lines = ["prefill step             measured ms  fitted ms  error"]
+    for point, fitted, err in zip(measured.prefill, measured.prefill_fit.predicted,
+                                  measured.prefill_fit.relative_errors):
+        what = f"{point['batch']:.0f} x {point['length']:.0f} tokens"
+        lines.append(f"  {what:<22} {point['ms']:>11.2f} {fitted:>10.2f} {err:>6.0%}")
+    lines.append("decode step              measured ms  fitted ms  error")
+    for point, fitted, err in zip(measured.decode, measured.decode_fit.predicted,
+                                  measured.decode_fit.relative_errors):
+        what = f"{point['batch']:.0f} seqs, {point['context_tokens']:.0f} ctx"
+        lines.append(f"  {what:<22} {point['ms']:>11.2f} {fitted:>10.2f} {err:>6.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(ProfileConfig, "profile", argv, prog="pdserve profile",
+                       description=__doc__)
+    try:
+        profile, measured = measure(cfg)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"pdserve profile: {exc}", file=sys.stderr)
+        return 2
+    Path(cfg.out).write_text(json.dumps(dataclasses.asdict(profile), indent=1) + "\n")
+    print(report(measured))
+    print(f"wrote {cfg.out}: " + ", ".join(f"{f.name}={getattr(profile, f.name):.4g}"
+                                           for f in dataclasses.fields(profile)))
+    if cfg.points_json:
+        Path(cfg.points_json).write_text(json.dumps({
+            "prefill": measured.prefill, "decode": measured.decode,
+            "prefill_fit": dataclasses.asdict(measured.prefill_fit),
+            "decode_fit": dataclasses.asdict(measured.decode_fit)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
