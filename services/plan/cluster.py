@@ -13,6 +13,8 @@ of `router/placement.py` (fed the loads the router would see, exactly and withou
   decode worker admits the sequence between two of its steps once the KV has landed.
 
 Every request's TTFT also carries `request_overhead_ms` from the profile (router and RPCs).
+Prefill and decode workers may have profiles of their own (`Profiles`: other hardware, or
+other cores); a prefill worker's profile also prices its handoffs.
 """
 
 from __future__ import annotations
@@ -88,6 +90,31 @@ class Outcome:
         return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
 
 
+@dataclass(frozen=True)
+class Profiles:
+    """The profile of each kind of worker: `default` for co-located workers and for prefill or
+    decode workers that have none of their own."""
+
+    default: SimProfile
+    prefill: SimProfile | None = None
+    decode: SimProfile | None = None
+
+    @classmethod
+    def of(cls, profile: SimProfile | Profiles) -> Profiles:
+        return profile if isinstance(profile, Profiles) else cls(profile)
+
+    def role(self, role: str) -> SimProfile:
+        own = self.prefill if role == "prefill" else self.decode if role == "decode" else None
+        return own or self.default
+
+    def devices(self, dep: Deployment) -> float:
+        """Cores or GPUs the deployment takes (workers x TP x each one's devices_per_worker)."""
+        if dep.mode == "colocated":
+            return dep.num_decode * dep.tp * self.default.devices_per_worker
+        return dep.tp * (dep.num_prefill * self.role("prefill").devices_per_worker
+                         + dep.num_decode * self.role("decode").devices_per_worker)
+
+
 class Stop(Exception):
     """A run gave up early: more requests missed their objectives than it may."""
 
@@ -102,26 +129,30 @@ class EarlyStop:
 
 
 class _Router:
-    def __init__(self, dep: Deployment, profile: SimProfile, events: Events,
+    def __init__(self, dep: Deployment, profiles: Profiles, events: Events,
                  stop: EarlyStop | None):
-        self.dep, self.profile, self.events, self.stop = dep, profile, events, stop
+        self.dep, self.events, self.stop = dep, events, stop
         self.misses = 0
-        speedup = profile.tp_speedup(dep.tp)
         callbacks = {"on_first_token": self._first_token, "on_done": self._done,
                      "on_handed_off": self._handed_off}
+        role = "colocated" if dep.mode == "colocated" else "decode"
+        decode_profile, prefill_profile = profiles.role(role), profiles.role("prefill")
         if dep.mode == "colocated":
-            decode = EngineParams("colocated", dep.chunk_size, dep.max_prefill_tokens,
-                                  dep.max_num_seqs, 0, dep.prefill_age_ms, speedup)
+            decode = EngineParams(role, dep.chunk_size, dep.max_prefill_tokens,
+                                  dep.max_num_seqs, 0, dep.prefill_age_ms,
+                                  decode_profile.tp_speedup(dep.tp))
         else:
-            decode = EngineParams("decode", dep.decode_chunk_size, dep.max_prefill_tokens,
-                                  dep.max_num_seqs, 1, dep.prefill_age_ms, speedup)
+            decode = EngineParams(role, dep.decode_chunk_size, dep.max_prefill_tokens,
+                                  dep.max_num_seqs, 1, dep.prefill_age_ms,
+                                  decode_profile.tp_speedup(dep.tp))
         prefill = EngineParams("prefill", dep.chunk_size, dep.max_prefill_tokens,
-                               dep.max_num_seqs, 0, dep.prefill_age_ms, speedup)
-        self.decoders = {f"{decode.role}{i}": EngineSim(f"{decode.role}{i}", decode, profile,
-                                                        events, **callbacks)
+                               dep.max_num_seqs, 0, dep.prefill_age_ms,
+                               prefill_profile.tp_speedup(dep.tp))
+        self.decoders = {f"{role}{i}": EngineSim(f"{role}{i}", decode, decode_profile, events,
+                                                 **callbacks)
                          for i in range(dep.num_decode)}
-        self.prefillers = {f"prefill{i}": EngineSim(f"prefill{i}", prefill, profile, events,
-                                                    **callbacks)
+        self.prefillers = {f"prefill{i}": EngineSim(f"prefill{i}", prefill, prefill_profile,
+                                                    events, **callbacks)
                            for i in range(dep.num_prefill)}
         self.placed = dict.fromkeys(self.decoders, 0)
         self.inflight = dict.fromkeys(self.decoders, 0)
@@ -204,13 +235,14 @@ class _Router:
             raise Stop
 
 
-def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile,
+def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile | Profiles,
              stop: EarlyStop | None = None) -> list[Outcome]:
     """Run `requests` through `dep`; every request's outcome, in request order. Raises `Stop`
     when `stop` is given and more requests than it allows miss an objective."""
     events = Events()
-    router = _Router(dep, profile, events, stop)
-    overhead = profile.request_overhead_ms
+    profiles = Profiles.of(profile)
+    router = _Router(dep, profiles, events, stop)
+    overhead = profiles.default.request_overhead_ms
     jobs = [Job(r.index, r.arrival_ms - overhead, r.prompt_tokens, r.output_tokens,
                 r.cached_tokens, r.cached_tokens) for r in requests]
     for job, request in zip(jobs, requests):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.config import option, parse_config, require
-from pdserve.plan.cluster import MODES, Deployment
-from pdserve.plan.report import RANK_BY, Ranked, devices_of, plot, rank, table, tp_note, write_json
+from pdserve.plan.cluster import MODES, Deployment, Profiles
+from pdserve.plan.report import RANK_BY, Ranked, plot, rank, table, tp_note, write_json
 from pdserve.plan.search import Goodput, Slo, deployments, plan, predict
 from pdserve.plan.workload import ARRIVALS_HELP, Workload
 from pdserve.sim.profile import SimProfile
@@ -46,6 +46,10 @@ class PlanConfig:
     profile: str = option("", "profile JSON (pdserve profile writes one; any fields of "
                               "pdserve.sim.profile.SimProfile); default: the built-in profile "
                               "(bench-7m on a 2-vCPU Zen 5)")
+    prefill_profile: str = option("", "profile of the prefill workers, where it differs from "
+                                      "--profile (other hardware, or other cores)")
+    decode_profile: str = option("", "profile of the decode workers, where it differs from "
+                                     "--profile")
     workload: str = option("fixed:256,128", WORKLOAD_HELP)
     arrivals: str = option("poisson", f"arrival process: {ARRIVALS_HELP}")
     prefix_share: float = option(0.0, "share of every prompt's tokens found in the prefix "
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(PlanConfig, "plan", argv, prog="pdserve plan", description=__doc__)
     try:
         profile = SimProfile.load(cfg.profile) if cfg.profile else SimProfile()
+        profiles = Profiles(profile,
+                            SimProfile.load(cfg.prefill_profile) if cfg.prefill_profile else None,
+                            SimProfile.load(cfg.decode_profile) if cfg.decode_profile else None)
         workload = Workload(cfg.workload, cfg.arrivals, cfg.prefix_share, cfg.num_requests,
                             cfg.seed, profile.block_size)
         slo = Slo(cfg.ttft_slo_ms or None, cfg.tpot_slo_ms or None, cfg.attainment)
@@ -125,23 +132,25 @@ def main(argv: list[str] | None = None) -> int:
                   f"({len(result.points)} runs, {time.perf_counter() - started:.1f} s)",
                   file=sys.stderr, flush=True)
 
-    found = plan(configs, workload, profile, slo, progress)
-    results = [Ranked(g.deployment, g.rate, devices_of(g.deployment, profile)) for g in found]
+    found = plan(configs, workload, profiles, slo, progress)
+    results = [Ranked(g.deployment, g.rate, profiles.devices(g.deployment)) for g in found]
     for r in results:
         if r.goodput_rps > 0:
-            r.at_goodput = predict(r.deployment, workload, profile, r.goodput_rps, slo)
+            r.at_goodput = predict(r.deployment, workload, profiles, r.goodput_rps, slo)
     ranked = rank(results, cfg.rank_by)
     shown = ranked[:cfg.top] if cfg.top else ranked
     rates = [float(r) for r in cfg.rates] or \
         [k * max((r.goodput_rps for r in shown), default=1.0) or 1.0 for k in CURVE]
     if cfg.plot or cfg.json:
         for r in shown:
-            r.curve = [predict(r.deployment, workload, profile, rate, slo) for rate in rates]
+            r.curve = [predict(r.deployment, workload, profiles, rate, slo) for rate in rates]
     notes = [n for n in (tp_note(profile, tps),) if n]
     print(f"pdserve plan: {len(configs)} configurations, up to {cfg.max_workers} workers")
     print(f"workload: {workload.describe()}")
     print(f"SLO: {slo.describe()}")
-    print(f"profile: {cfg.profile or 'built-in (bench-7m, 2-vCPU Zen 5)'}")
+    print(f"profile: {cfg.profile or 'built-in (bench-7m, 2-vCPU Zen 5)'}"
+          + (f"; prefill workers: {cfg.prefill_profile}" if cfg.prefill_profile else "")
+          + (f"; decode workers: {cfg.decode_profile}" if cfg.decode_profile else ""))
     for note in notes:
         print(note)
     print(f"ranked by goodput per {cfg.rank_by}" if cfg.rank_by != "total" else
@@ -149,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(shown, cfg.need_rate or None))
     if cfg.json:
-        write_json(Path(cfg.json), ranked, profile=profile, profile_path=cfg.profile,
+        write_json(Path(cfg.json), ranked, profiles=profiles,
+                   profile_paths={"profile": cfg.profile, "prefill": cfg.prefill_profile,
+                                  "decode": cfg.decode_profile},
                    workload=workload, slo=slo, rank_by=cfg.rank_by, notes=notes)
         print(f"wrote {cfg.json}")
     if cfg.plot:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.plan.cluster import Deployment
+from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import Point, Slo
 from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
@@ -45,10 +45,6 @@ class Ranked:
             "predicted": at.as_dict() if at is not None else None,
             "curve": [p.as_dict() for p in self.curve],
         }
-
-
-def devices_of(dep: Deployment, profile: SimProfile) -> float:
-    return dep.workers * dep.tp * profile.devices_per_worker
 
 
 def rank(results: Sequence[Ranked], by: str) -> list[Ranked]:
@@ -98,11 +94,14 @@ def table(ranked: Sequence[Ranked], need_rps: float | None = None) -> str:
     return "\n".join(lines) + "\n(latencies in ms, predicted at each configuration's goodput)"
 
 
-def write_json(path: Path, ranked: Sequence[Ranked], *, profile: SimProfile,
-               profile_path: str, workload: Workload, slo: Slo, rank_by: str,
+def write_json(path: Path, ranked: Sequence[Ranked], *, profiles: Profiles,
+               profile_paths: dict[str, str], workload: Workload, slo: Slo, rank_by: str,
                notes: Sequence[str]) -> None:
     doc = {
-        "profile": dataclasses.asdict(profile), "profile_path": profile_path or None,
+        "profile": dataclasses.asdict(profiles.default),
+        "prefill_profile": dataclasses.asdict(profiles.prefill) if profiles.prefill else None,
+        "decode_profile": dataclasses.asdict(profiles.decode) if profiles.decode else None,
+        "profile_paths": {k: v for k, v in profile_paths.items() if v},
         "workload": {"workload": workload.spec, "arrivals": workload.arrivals,
                      "prefix_share": workload.prefix_share,
                      "num_requests": workload.num_requests, "seed": workload.seed},

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from pdserve.plan.cluster import Deployment, EarlyStop, Outcome, Stop, simulate
+from pdserve.plan.cluster import Deployment, EarlyStop, Outcome, Profiles, Stop, simulate
 from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
 
@@ -98,8 +98,8 @@ def summarize(rate: float, outcomes: Sequence[Outcome], slo: Slo) -> Point:
                  len(outcomes) - len(ok))
 
 
-def predict(dep: Deployment, workload: Workload, profile: SimProfile, rate: float,
-            slo: Slo | None = None, count: int | None = None) -> Point:
+def predict(dep: Deployment, workload: Workload, profile: SimProfile | Profiles,
+            rate: float, slo: Slo | None = None, count: int | None = None) -> Point:
     """The whole run at `rate`: attainment against `slo` (none: every completed request
     counts) and the TTFT / TPOT percentiles, of `num_requests` per worker or `count` in all
     (what a `pdserve bench serve --num-requests` run would send)."""
@@ -107,8 +107,8 @@ def predict(dep: Deployment, workload: Workload, profile: SimProfile, rate: floa
     return summarize(rate, outcomes, slo or Slo(attainment=1.0))
 
 
-def attempt(dep: Deployment, workload: Workload, profile: SimProfile, rate: float,
-            slo: Slo) -> Point:
+def attempt(dep: Deployment, workload: Workload, profile: SimProfile | Profiles,
+            rate: float, slo: Slo) -> Point:
     """Like `predict`, but a run stops as soon as the target is out of reach (then
     `complete` is False and `attainment` an upper bound below the target)."""
     requests = workload.requests(rate, dep.workers)
@@ -127,8 +127,8 @@ class Goodput:
     points: list[Point] = field(default_factory=list)  # every rate tried, in order tried
 
 
-def find_goodput(dep: Deployment, workload: Workload, profile: SimProfile, slo: Slo, *,
-                 start: float = 1.0, lowest: float = 1e-3, highest: float = 1e6,
+def find_goodput(dep: Deployment, workload: Workload, profile: SimProfile | Profiles,
+                 slo: Slo, *, start: float = 1.0, lowest: float = 1e-3, highest: float = 1e6,
                  rel_tol: float = 0.01) -> Goodput:
     """The highest good rate, to `rel_tol` of itself (see the module's docstring)."""
     tried: list[Point] = []
@@ -183,8 +183,8 @@ def deployments(max_workers: int, modes: Iterable[str], chunk_sizes: Iterable[in
     return out
 
 
-def plan(configs: Sequence[Deployment], workload: Workload, profile: SimProfile, slo: Slo,
-         progress: Callable[[int, Goodput], None] | None = None) -> list[Goodput]:
+def plan(configs: Sequence[Deployment], workload: Workload, profile: SimProfile | Profiles,
+         slo: Slo, progress: Callable[[int, Goodput], None] | None = None) -> list[Goodput]:
     """Each configuration's goodput, in the order given. The search of each starts from the
     previous one's goodput (configurations are listed smallest first)."""
     results: list[Goodput] = []

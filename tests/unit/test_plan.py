@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pdserve.plan.cluster import Deployment, Outcome, simulate
+from pdserve.plan.cluster import Deployment, Outcome, Profiles, simulate
 from pdserve.plan.engine_model import EngineParams, EngineSim, Events, Job
 from pdserve.plan.workload import Request
 from pdserve.sim.profile import SimProfile
@@ -201,3 +201,17 @@ def test_profile_file_with_the_new_fields_loads(tmp_path):
     assert p.prefill_base_ms == SimProfile().prefill_base_ms
     with pytest.raises(ValueError, match="devices_per_worker"):
         SimProfile(devices_per_worker=0)
+
+
+def test_prefill_and_decode_workers_may_have_profiles_of_their_own():
+    slow_decode = SimProfile(**{**PROFILE.__dict__, "decode_ms_per_seq": 3.0})
+    two_cores = SimProfile(**{**PROFILE.__dict__, "devices_per_worker": 2.0,
+                              "handoff_base_ms": 4.0})
+    profiles = Profiles(PROFILE, prefill=two_cores, decode=slow_decode)
+    (r,) = simulate(DISAGG, [Request(0, 0.0, 300, 4, 0)], profiles)
+    assert r.ttft_ms == pytest.approx(32 + 4.3)  # the prefill worker's handoff
+    assert r.tpot_ms == pytest.approx(8.0)       # the decode worker's steps
+    (c,) = simulate(Deployment("colocated", 0, 1), [Request(0, 0.0, 300, 4, 0)], profiles)
+    assert c.tpot_ms == pytest.approx(6.0)       # co-located workers: the default profile
+    assert profiles.devices(Deployment("disaggregated", 2, 3, tp=2)) == 2 * (2 * 2 + 3 * 1)
+    assert profiles.devices(Deployment("colocated", 0, 3)) == 3

@@ -142,3 +142,15 @@ def test_plan_command_refuses_bad_options(capsys):
     assert exc.value.code == 2
     assert command.main(["--workload", "zipf:3", "--no-progress"]) == 2
     assert "zipf" in capsys.readouterr().err
+
+
+def test_plan_command_takes_a_profile_per_worker_kind(tmp_path):
+    prefill = tmp_path / "prefill.json"
+    prefill.write_text(json.dumps({"devices_per_worker": 2}))
+    out = tmp_path / "plan.json"
+    assert command.main(["--prefill-profile", str(prefill), "--modes", "disaggregated",
+                         "--max-workers", "2", "--num-requests", "50", "--no-progress",
+                         "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(c["config"], c["devices"]) for c in doc["configs"]] == [("1P+1D chunk 512", 3.0)]
+    assert doc["prefill_profile"]["devices_per_worker"] == 2 and doc["decode_profile"] is None
