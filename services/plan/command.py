@@ -17,6 +17,8 @@ what it leaves out.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from pathlib import Path
 from pdserve.common.config import option, parse_config, require
 from pdserve.plan.cluster import MODES, Deployment, Profiles
 from pdserve.plan.report import RANK_BY, Ranked, plot, rank, table, tp_note, write_json
-from pdserve.plan.search import Goodput, Slo, deployments, plan, predict
+from pdserve.plan.search import Goodput, Slo, deployments, find_goodput, plan, predict
 from pdserve.plan.workload import ARRIVALS_HELP, Workload
 from pdserve.sim.profile import SimProfile
 
@@ -84,13 +86,22 @@ class PlanConfig:
     json: str = option("", "write the ranking, each configuration's prediction and curve here")
     plot: str = option("", "PNG of predicted SLO attainment vs rate (matplotlib)")
     progress: bool = option(True, "one line per configuration on stderr as it is searched")
+    validate: bool = option(False, "instead of ranking: run co-located x1 and 1P+1D for real "
+                                   "on this machine (pdserve up + pdserve bench serve, the "
+                                   "same requests) and report predicted vs measured TTFT and "
+                                   "TPOT p50 (--json: 'validation')")
+    model: str = option("bench-7m", "--validate: the model the stacks serve (and, without "
+                                    "--profile, the one profiled first)")
+    validate_rate: float = option(0.0, "--validate: request rate (0: half the lower predicted "
+                                       "goodput of the two configurations)")
+    validate_requests: int = option(100, "--validate: requests per configuration")
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "max_workers", "max_prefill_tokens", "max_num_seqs",
-                     "decode_chunk_size"):
+                     "decode_chunk_size", "validate_requests"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
         for name in ("ttft_slo_ms", "tpot_slo_ms", "need_rate", "remote_prefill_min_tokens",
-                     "top"):
+                     "top", "validate_rate"):
             require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
         require(self.ttft_slo_ms > 0 or self.tpot_slo_ms > 0, "ttft_slo_ms",
                 self.ttft_slo_ms, "> 0 where --tpot-slo-ms is 0")
@@ -124,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
+    if cfg.validate:
+        return _validate(cfg, workload, slo, profiles if cfg.profile else None)
     started = time.perf_counter()
 
     def progress(i: int, result: Goodput) -> None:
@@ -166,6 +179,37 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.plot:
         print(f"wrote {cfg.plot}" if plot(Path(cfg.plot), shown, slo) else
               "no plot: matplotlib is not installed")
+    return 0
+
+
+def _validate(cfg: PlanConfig, workload: Workload, slo: Slo, profiles: Profiles | None) -> int:
+    from pdserve.plan import validate
+
+    try:
+        if profiles is None:  # each kind profiled with the cores pdserve up will give it
+            profiles = validate.measure_profiles(cfg.model, cfg.progress)
+        rate = cfg.validate_rate or 0.5 * min(
+            find_goodput(dep, workload, profiles, slo).rate for dep in validate.CONFIGS)
+        if not rate > 0:
+            raise ValueError("no rate meets the SLOs in the plan: give --validate-rate")
+        runner = validate.StackRunner(cfg.model, workload, cfg.validate_requests,
+                                      validate.log_dir())
+        rows = validate.validate(validate.CONFIGS, workload, profiles, rate,
+                                 cfg.validate_requests, runner)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"pdserve plan --validate: {exc}", file=sys.stderr)
+        return 1
+    print(f"pdserve plan --validate: {workload.describe()}, {cfg.validate_requests} requests "
+          f"per configuration at {rate:.2f} req/s, model {cfg.model}")
+    print(validate.table(rows))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps({
+            "validation": rows, "model": cfg.model, "workload": workload.spec,
+            "arrivals": workload.arrivals, "seed": workload.seed,
+            "profile": dataclasses.asdict(profiles.default),
+            "prefill_profile": dataclasses.asdict(profiles.role("prefill")),
+            "decode_profile": dataclasses.asdict(profiles.role("decode"))}, indent=1))
+        print(f"wrote {cfg.json}")
     return 0
 
 

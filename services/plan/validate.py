@@ -1,0 +1,182 @@
+"""`pdserve plan --validate`: the plan's predictions set against real stacks on this machine.
+
+For each configuration (co-located x1 and 1 prefill + 1 decode, the two this machine can
+run), the plan predicts a run of `count` requests of the workload at `rate`, then `pdserve up`
+runs that configuration for real and `pdserve bench serve` sends it the same requests (same
+workload spec, seed, rate and count, so the same lengths and arrival times), and the two are
+reported side by side: TTFT and TPOT p50 (and p99), with the relative error of each
+prediction. The target is a p50 error within 20%.
+
+Which profile predicts each stack matters: `pdserve up` gives a co-located worker every core
+and, in disaggregated mode, the prefill and the decode worker half each, so each kind should be
+profiled with the threads it will have (the command measures them when no profile is given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pdserve.plan.cluster import Deployment, Profiles
+from pdserve.plan.search import predict
+from pdserve.plan.workload import Workload, parse_arrivals
+
+CONFIGS = (Deployment("colocated", 0, 1), Deployment("disaggregated", 1, 1))
+TARGET_ERROR = 0.2
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+@dataclass(frozen=True)
+class Latencies:
+    ttft_p50_ms: float | None
+    tpot_p50_ms: float | None
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+
+
+Runner = Callable[[Deployment, float], Latencies]  # a real run of a configuration at a rate
+
+
+def _error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return predicted / measured - 1
+
+
+def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profiles, rate: float,
+             count: int, run: Runner) -> list[dict[str, object]]:
+    """Per configuration: `{config, rate, requests, predicted, measured, error, within}`."""
+    out: list[dict[str, object]] = []
+    for dep in configs:
+        point = predict(dep, workload, profiles, rate, count=count)
+        predicted = Latencies(point.ttft_p50_ms, point.tpot_p50_ms, point.ttft_p99_ms,
+                              point.tpot_p99_ms)
+        measured = run(dep, rate)
+        errors = {"ttft_p50": _error(predicted.ttft_p50_ms, measured.ttft_p50_ms),
+                  "tpot_p50": _error(predicted.tpot_p50_ms, measured.tpot_p50_ms)}
+        out.append({"config": dep.name, "deployment": asdict(dep), "rate": rate,
+                    "requests": count, "predicted": asdict(predicted),
+                    "measured": asdict(measured), "error": errors,
+                    "within_target": all(e is not None and abs(e) <= TARGET_ERROR
+                                         for e in errors.values())})
+    return out
+
+
+def table(rows: Sequence[dict[str, object]]) -> str:
+    lines = [f"{'config':<24} {'rate':>6}  {'TTFT p50 pred/meas ms':>22}  "
+             f"{'TPOT p50 pred/meas ms':>22}  within {TARGET_ERROR:.0%}"]
+
+    def cell(row: dict[str, object], key: str) -> str:
+        p = row["predicted"][key]  # type: ignore[index]
+        m = row["measured"][key]  # type: ignore[index]
+        e = row["error"][key.removesuffix("_ms")]  # type: ignore[index]
+        if p is None or m is None:
+            return "-"
+        return f"{p:.1f} / {m:.1f} ({e:+.0%})" if e is not None else f"{p:.1f} / {m:.1f}"
+
+    for row in rows:
+        lines.append(f"{row['config']:<24} {row['rate']:>6.2f}  "
+                     f"{cell(row, 'ttft_p50_ms'):>22}  {cell(row, 'tpot_p50_ms'):>22}  "
+                     f"{'yes' if row['within_target'] else 'no'}")
+    return "\n".join(lines)
+
+
+class StackRunner:
+    """`pdserve up` for a configuration, `pdserve bench serve` against it, then stop it."""
+
+    def __init__(self, model: str, workload: Workload, count: int, log_dir: Path,
+                 ready_s: float = 300.0):
+        shape = parse_arrivals(workload.arrivals)
+        if shape == 0:
+            raise ValueError("--validate: pdserve bench serve has no constant arrivals; use "
+                             "--arrivals poisson or gamma:SHAPE")
+        self.model, self.workload, self.count = model, workload, count
+        self.burstiness = shape
+        self.log_dir = log_dir
+        self.ready_s = ready_s
+
+    def __call__(self, dep: Deployment, rate: float) -> Latencies:
+        name = dep.name.replace(" ", "-")
+        with self._stack(dep, name) as target:
+            out = self.log_dir / f"bench-{name}.json"
+            cmd = [*PDSERVE, "bench", "serve", "--target", target, "--model", self.model,
+                   "--workload", self.workload.spec, "--rate", f"{rate:g}",
+                   "--burstiness", f"{self.burstiness:g}", "--num-requests", str(self.count),
+                   "--seed", str(self.workload.seed), "--json", str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                raise RuntimeError(f"bench serve against {dep.name} failed:\n"
+                                   f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        summary = json.loads(out.read_text())["runs"][0]["summary"]
+        ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
+        return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"])
+
+    @contextmanager
+    def _stack(self, dep: Deployment, name: str) -> Iterator[str]:
+        from pdserve.bench.loadgen.handoff import free_port_block, stop_group
+
+        base = free_port_block(50)
+        cmd = [*PDSERVE, "up", "--model", self.model, "--no-demo", "--http-port", str(base),
+               "--port", str(base + 1), "--metrics-port", "-1", "--prefill-port",
+               str(base + 10), "--decode-port", str(base + 20), "--agent-port", str(base + 30),
+               "--colocated-port", str(base + 40)]
+        cmd += ["--colocated"] if dep.mode == "colocated" else \
+            ["--prefill", str(dep.num_prefill), "--decode", str(dep.num_decode)]
+        env = {**os.environ, "PDSERVE_COLOCATED_CHUNK_SIZE": str(dep.chunk_size),
+               "PDSERVE_PREFILL_CHUNK_SIZE": str(dep.chunk_size),
+               "PDSERVE_DECODE_CHUNK_SIZE": str(dep.decode_chunk_size),
+               "PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS": str(dep.remote_prefill_min_tokens)}
+        log = self.log_dir / f"up-{name}.log"
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        try:
+            _wait_ready(f"http://127.0.0.1:{base}/health", proc, self.ready_s, log)
+            yield f"127.0.0.1:{base + 1}"
+        finally:
+            stop_group(proc)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdserve up exited ({proc.returncode}) before it was ready:\n"
+                               + log.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)  # polling a starting server's health, not synchronisation
+    raise RuntimeError(f"{url} not ready within {timeout_s:.0f} s; log: {log}")
+
+
+def measure_profiles(model: str, progress: bool) -> Profiles:
+    """The model profiled with every core (a co-located worker) and with half of them (each
+    worker of `pdserve up`'s disaggregated mode)."""
+    from pdserve.common.config import parse_config
+    from pdserve.common.cpus import cpu_allowance
+    from pdserve.plan.measure import ProfileConfig, measure
+
+    cores = cpu_allowance()
+    whole, _ = measure(parse_config(ProfileConfig, "profile", ["--model", model, "--threads",
+                                                                str(cores)]), progress)
+    half = whole if cores == 1 else measure(parse_config(
+        ProfileConfig, "profile", ["--model", model, "--threads", str(max(1, cores // 2))]),
+        progress)[0]
+    return Profiles(whole, half, half)
+
+
+def log_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="pdserve-plan-validate-"))

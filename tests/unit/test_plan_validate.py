@@ -1,0 +1,81 @@
+"""`pdserve plan --validate`'s bookkeeping, with the real stacks replaced by a fake run: the
+same requests predicted for each configuration, the relative errors, the table and the JSON
+(`validation`: config, predicted and measured TTFT / TPOT p50)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pdserve.plan import command, validate
+from pdserve.plan.cluster import Deployment, Profiles
+from pdserve.plan.search import predict
+from pdserve.plan.validate import Latencies
+from pdserve.plan.workload import Workload
+from pdserve.sim.profile import SimProfile
+
+pytestmark = pytest.mark.unit
+
+PROFILE = SimProfile(prefill_base_ms=2.0, prefill_ms_per_token=0.1, decode_base_ms=5.0,
+                     decode_ms_per_seq=1.0, handoff_base_ms=1.0, handoff_gb_s=1.0,
+                     kv_bytes_per_token=1000)
+
+
+def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
+    w = Workload("fixed:300,10", num_requests=1000)
+    seen: list[tuple[str, float]] = []
+
+    def fake(dep: Deployment, rate: float) -> Latencies:
+        seen.append((dep.name, rate))
+        return Latencies(40.0, 6.0)
+
+    rows = validate.validate(validate.CONFIGS, w, Profiles(PROFILE), 2.0, 30, fake)
+    assert seen == [("colocated x1 chunk 512", 2.0), ("1P+1D chunk 512", 2.0)]
+    for row, dep in zip(rows, validate.CONFIGS):
+        want = predict(dep, w, PROFILE, 2.0, count=30)  # 30 requests, as bench serve sends
+        assert row["predicted"]["ttft_p50_ms"] == want.ttft_p50_ms  # type: ignore[index]
+        assert row["measured"] == {"ttft_p50_ms": 40.0, "tpot_p50_ms": 6.0,
+                                   "ttft_p99_ms": None, "tpot_p99_ms": None}
+        assert row["error"]["ttft_p50"] == pytest.approx(  # type: ignore[index]
+            want.ttft_p50_ms / 40.0 - 1)
+    # alone at 2 req/s: TTFT 32 ms co-located, 33.3 ms through the handoff; TPOT 6 ms
+    assert rows[0]["error"]["tpot_p50"] == pytest.approx(0.0)  # type: ignore[index]
+    assert rows[0]["within_target"] is True  # -20% TTFT, 0% TPOT
+    text = validate.table(rows)
+    assert "colocated x1 chunk 512" in text and "(-20%)" in text
+
+
+def test_a_prediction_off_by_more_than_20_percent_is_flagged():
+    rows = validate.validate([Deployment("colocated", 0, 1)], Workload("fixed:300,10"),
+                             Profiles(PROFILE), 1.0, 10, lambda d, r: Latencies(20.0, 6.0))
+    assert rows[0]["within_target"] is False  # TTFT 32 predicted, 20 measured: +60%
+
+
+def test_constant_arrivals_cannot_be_sent_by_bench_serve(tmp_path):
+    with pytest.raises(ValueError, match="constant"):
+        validate.StackRunner("tiny", Workload(arrivals="constant"), 10, tmp_path)
+
+
+def test_plan_validate_writes_the_validation_json(tmp_path, monkeypatch, capsys):
+    class FakeRunner:
+        def __init__(self, model: str, workload: Workload, count: int, log_dir: object):
+            assert model == "tiny" and count == 20
+
+        def __call__(self, dep: Deployment, rate: float) -> Latencies:
+            return Latencies(35.0, 6.5, 50.0, 7.0)
+
+    monkeypatch.setattr(validate, "StackRunner", FakeRunner)
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(PROFILE.__dict__))
+    out = tmp_path / "v.json"
+    assert command.main(["--validate", "--model", "tiny", "--profile", str(profile),
+                         "--workload", "fixed:300,10", "--validate-requests", "20",
+                         "--validate-rate", "1.5", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [v["config"] for v in doc["validation"]] == ["colocated x1 chunk 512",
+                                                        "1P+1D chunk 512"]
+    for v in doc["validation"]:
+        assert v["rate"] == 1.5 and v["requests"] == 20
+        assert set(v["predicted"]) >= {"ttft_p50_ms", "tpot_p50_ms"}
+        assert v["measured"]["ttft_p50_ms"] == 35.0
+    assert "TTFT p50 pred/meas" in capsys.readouterr().out
