@@ -13,9 +13,11 @@ threads), and times its steps:
 Each point is the median of --repeats steps. The step-time models of `pdserve.sim.profile` are
 fitted to them by least squares (no negative cost) and written as a profile JSON that
 `pdserve plan --profile` and `pdserve sim --profile` read; the measured points, the fit and
-its error per point are printed (and written with --points-json).
+its error per point are printed (and written with --points-json). With --check WORKLOAD, a
+workload is then replayed through the engine and through the simulator on the new profile,
+and their TTFT and TPOT p50 printed side by side (`pdserve.plan.replay`).
 
-    pdserve profile --model bench-7m --out bench-7m.profile.json
+    pdserve profile --model bench-7m --out bench-7m.profile.json --check fixed:256,64
     pdserve plan --profile bench-7m.profile.json --workload chat
 """
 
@@ -34,6 +36,8 @@ from typing import TYPE_CHECKING
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.models import DEFAULT_MODEL
 from pdserve.plan.fit import Fit, fit_nonnegative
+from pdserve.plan.replay import Check, check
+from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
 
 if TYPE_CHECKING:
@@ -58,6 +62,12 @@ class ProfileConfig:
                                                       "sequence")
     repeats: int = option(5, "steps timed per point (their median counts)")
     handoff_base_ms: float = option(0.5, "fixed cost of one KV handoff (RPCs), ms")
+    check: str = option("", "then replay this workload (pdserve bench serve's --workload "
+                            "syntax) through the engine, co-located with the workers' default "
+                            "chunking, and through the simulator on the new profile, and "
+                            "print both TTFT and TPOT p50 (empty: no check)")
+    check_rate: float = option(4.0, "--check: Poisson arrivals at this rate (req/s)")
+    check_requests: int = option(60, "--check: requests replayed")
     out: str = option("profile.json", "where the profile is written")
     points_json: str = option("", "also write the measured points and the fit here")
 
@@ -67,6 +77,8 @@ class ProfileConfig:
             require(bool(values) and all(v.isdigit() and int(v) > 0 for v in values), name,
                     values, "positive integers, comma-separated")
         require(self.repeats > 0, "repeats", self.repeats, "> 0")
+        require(self.check_rate > 0, "check_rate", self.check_rate, "> 0")
+        require(self.check_requests > 0, "check_requests", self.check_requests, "> 0")
         require(self.threads >= 0, "threads", self.threads, ">= 0")
         require(self.block_size > 0, "block_size", self.block_size, "> 0")
         require(self.handoff_base_ms >= 0, "handoff_base_ms", self.handoff_base_ms, ">= 0")
@@ -237,11 +249,27 @@ def report(measured: Measured) -> str:
     return "\n".join(lines)
 
 
+def run_check(cfg: ProfileConfig, profile: SimProfile) -> Check:
+    """The engine (as a co-located worker has it) against the simulator on `profile`."""
+    from pdserve.engine.setup import build_engine
+
+    workload = Workload(cfg.check, num_requests=cfg.check_requests)
+    engine, _ = build_engine(cfg.model, role="colocated", dtype=cfg.dtype, device=cfg.device,
+                             block_size=cfg.block_size, prefix_caching=False)
+    try:
+        return check(engine, profile, workload.requests(cfg.check_rate), cfg.check_rate)
+    finally:
+        engine.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(ProfileConfig, "profile", argv, prog="pdserve profile",
                        description=__doc__)
     try:
+        if cfg.check:
+            Workload(cfg.check)  # a bad spec is refused before anything is measured
         profile, measured = measure(cfg)
+        checked = run_check(cfg, profile) if cfg.check else None
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"pdserve profile: {exc}", file=sys.stderr)
         return 2
@@ -249,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     print(report(measured))
     print(f"wrote {cfg.out}: " + ", ".join(f"{f.name}={getattr(profile, f.name):.4g}"
                                            for f in dataclasses.fields(profile)))
+    if checked is not None:
+        print(checked.describe())
     if cfg.points_json:
         Path(cfg.points_json).write_text(json.dumps({
             "prefill": measured.prefill, "decode": measured.decode,
             "prefill_fit": dataclasses.asdict(measured.prefill_fit),
-            "decode_fit": dataclasses.asdict(measured.decode_fit)}, indent=1))
+            "decode_fit": dataclasses.asdict(measured.decode_fit),
+            "check": checked.as_dict() if checked is not None else None}, indent=1))
     return 0
 
 

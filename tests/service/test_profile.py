@@ -22,7 +22,8 @@ def test_profile_measures_fits_and_writes_a_loadable_profile(tiny_model_dir, tmp
     assert measure.main(["--model", str(tiny_model_dir), "--threads", "1", "--repeats", "3",
                          "--prompt-lengths", "16,64,256", "--decode-batches", "1,4",
                          "--contexts", "32,256", "--out", str(out),
-                         "--points-json", str(points)]) == 0
+                         "--points-json", str(points), "--check", "fixed:64,8",
+                         "--check-rate", "20", "--check-requests", "12"]) == 0
     profile = SimProfile.load(out)
     doc = json.loads(points.read_text())
     assert len(doc["prefill"]) == 3 * 2 and len(doc["decode"]) == 2 * 2
@@ -39,7 +40,15 @@ def test_profile_measures_fits_and_writes_a_loadable_profile(tiny_model_dir, tmp
     errors = [abs(f - p["ms"]) / p["ms"] for kind in ("prefill", "decode")
               for p, f in zip(doc[kind], doc[f"{kind}_fit"]["predicted"])]
     assert statistics.median(errors) <= FIT_TOLERANCE, errors
-    assert "prefill step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prefill step" in printed and "check: 12 requests at 20 req/s" in printed
+    # the replay through the engine and the simulator on the new profile: the same order of
+    # magnitude (a sanity bound; accuracy on a quiet machine is in docs/planning.md)
+    check = doc["check"]
+    for name in ("ttft_p50_ms", "tpot_p50_ms"):
+        measured, predicted = check[name]
+        assert measured > 0 and predicted > 0
+        assert 1 / 3 < predicted / measured < 3, check
 
 
 def test_profile_refuses_bad_options():
