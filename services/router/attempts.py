@@ -31,13 +31,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 from pdserve.common import failpoints, tracing, wire
 from pdserve.common.errors import ResourceExhausted, ServiceError, Unavailable
 from pdserve.common.requestids import attempt_id, new_nonce
 from pdserve.router.cache_feed import CacheFeeds
+from pdserve.router.calls import DECODE_START_RETRYABLE, Retry, unary_call
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.candidates import candidates
 from pdserve.router.placement import (
@@ -57,26 +57,12 @@ from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.router")
 
-RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"})
-# Decode failing before its first message: the worker died, or the handoff's lease or data
-# did not hold. Nothing was streamed, so another attempt is still allowed.
-DECODE_START_RETRYABLE = RETRYABLE | {"FAILED_PRECONDITION"}
 LEASE_MARGIN_S = 10.0  # decode leases = the prefill deadline + this
+MAX_REFUSED = 3  # prefill workers refusing the connection tried within one attempt
 # Decode pools up to this size share one DecodeMany stream per worker; in a larger one each
 # stream sits idle, closes and reopens (three router threads each time): a call per sequence
 # costs less (1,000 simulated workers, docs/benchmarks.md: 23 req/s shared, 99 per call).
 SHARED_STREAM_MAX_WORKERS = 64
-
-
-class _Retry(Exception):
-    """One attempt failed in a way another attempt may not."""
-
-    def __init__(self, message: str, prefill: str | None = None, decode: str | None = None,
-                 code: str = "UNAVAILABLE"):
-        super().__init__(message)
-        self.prefill = prefill
-        self.decode = decode
-        self.code = code  # the status the attempt's span records
 
 
 class AttemptRunner:
@@ -125,7 +111,7 @@ class AttemptRunner:
             try:
                 return self._attempt(gen, scope, attempt_id(gen.request_id, attempt, nonce),
                                      attempt, avoid_prefill, avoid_decode, ends_at_first_token)
-            except _Retry as failure:
+            except Retry as failure:
                 failures.append(str(failure))
                 log.info("request %s attempt %d failed: %s", gen.request_id, attempt, failure)
                 avoid_prefill.update(filter(None, [failure.prefill]))
@@ -160,7 +146,7 @@ class AttemptRunner:
                 reservation.stop_renewing()  # the sequence owns the pages now
             return Started(reservation, address, reply, sent, attempt, stream,
                            placement=f"decode {reservation.placement}; prefill {why}")
-        except _Retry as failure:
+        except Retry as failure:
             reservation.release(f"attempt {attempt} failed ({failure}); retrying")
             raise
         except BaseException:
@@ -198,10 +184,10 @@ class AttemptRunner:
                 continue
             stub = worker.decode
             try:
-                reply = self._call(scope, "router.reserve", stub.Reserve, request,
+                reply = unary_call(self._pool, scope, "router.reserve", stub.Reserve, request,
                                    self._reserve_timeout_s, f"decode {address}", "reserve",
                                    address, decode=address, placement=placement.explain())
-            except (ClientCancelled, _Retry) as failure:
+            except (ClientCancelled, Retry) as failure:
                 # The worker may still have granted it after we stopped waiting: release it
                 # (by request id) so the pages do not sit out the whole lease.
                 stub.Abort.future(decode_pb2.AbortRequest(
@@ -231,7 +217,7 @@ class AttemptRunner:
         if full:  # every reachable decode worker said it has no room: tell the client now
             raise ResourceExhausted(f"no decode worker has room for {num_tokens} prompt tokens "
                                     f"(full: {', '.join(full)})")
-        raise _Retry("no decode worker reachable: " + "; ".join(down))
+        raise Retry("no decode worker reachable: " + "; ".join(down))
 
     def _prefill(self, gen: Generation, worker_request_id: str, reservation: ReservationHandle,
                  scope: CallScope, avoid: set[str]
@@ -244,26 +230,34 @@ class AttemptRunner:
         placement = place_prefill(loads, num_tokens, cached, self._weights, avoid)
         # What it will compute, not the whole prompt, is the load it adds (its cache has the rest).
         lacks = {w.address: num_tokens - cached.get(w.address, 0) * w.block_size for w in loads}
-        for address in placement.ranked:
-            adds = lacks.get(address, num_tokens)
-            worker = self._pool.acquire("prefill", address, adds)
-            if worker is not None:  # else it left the pool since the ranking
-                break
-        else:
-            raise Unavailable("no healthy prefill worker")
         request = prefill_pb2.PrefillRequest(
             request_id=worker_request_id, token_ids=gen.prompt_ids,
             sampling=wire.sampling_to_pb(gen.sampling), ticket=reservation.ticket,
             destination=reservation.destination)
-        sent = self._clock()
-        try:
-            reply = self._call(scope, "router.prefill", worker.prefill.Prefill, request,
-                               self._prefill_timeout_s, f"prefill {address}",
-                               f"prefill + KV handoff to decode {reservation.address}", address,
-                               prefill=address, decode=reservation.address,
-                               placement=placement.explain())
-        finally:
-            self._pool.release(worker, adds)
+        refused: list[Retry] = []
+        for address in placement.ranked:
+            adds = lacks.get(address, num_tokens)
+            worker = self._pool.acquire("prefill", address, adds)
+            if worker is None:  # it left the pool since the ranking
+                continue
+            sent = self._clock()
+            try:
+                reply = unary_call(self._pool, scope, "router.prefill", worker.prefill.Prefill,
+                                   request, self._prefill_timeout_s, f"prefill {address}",
+                                   f"prefill + KV handoff to decode {reservation.address}",
+                                   address, prefill=address, decode=reservation.address,
+                                   placement=placement.explain())
+                break
+            except Retry as failure:  # a worker that refused the connection got nothing:
+                refused.append(failure)  # the next one may take the same reservation
+                if not failure.refused or len(refused) >= MAX_REFUSED:
+                    raise
+            finally:
+                self._pool.release(worker, adds)
+        else:
+            if refused:
+                raise refused[-1]
+            raise Unavailable("no healthy prefill worker")
         if self._cache is not None:
             self._cache.speculate(address, gen.prompt_ids)
         return address, reply, sent, placement.explain()
@@ -288,7 +282,7 @@ class AttemptRunner:
         if not first.token_ids:
             stream.call.cancel()
             stream.span.end()
-            raise _Retry(f"decode {reservation.address} prefilled without a first token",
+            raise Retry(f"decode {reservation.address} prefilled without a first token",
                          decode=reservation.address)
         reply = prefill_pb2.PrefillResponse(
             first_token=first.token_ids[0], queue_ms=first.queue_ms, prefill_ms=first.prefill_ms,
@@ -338,7 +332,7 @@ class AttemptRunner:
             call.cancel()
             tracing.record_error(span, "decode stream ended before its first message")
             span.end()
-            raise _Retry(f"decode {reservation.address} ended the stream before starting the "
+            raise Retry(f"decode {reservation.address} ended the stream before starting the "
                          "sequence", decode=reservation.address) from None
         except grpc.RpcError as exc:
             call.cancel()
@@ -354,7 +348,7 @@ class AttemptRunner:
             if reservation.not_held:
                 details += "; its reservation had already lapsed there"
             if code in DECODE_START_RETRYABLE:
-                raise _Retry(f"{where}: {code} {details}", decode=reservation.address,
+                raise Retry(f"{where}: {code} {details}", decode=reservation.address,
                              code=code) from None
             raise ServiceError(f"{where}: {details}", code) from None
         except BaseException:
@@ -362,38 +356,3 @@ class AttemptRunner:
             span.end()
             raise
         return DecodeStream(call, first, span)
-
-    def _call(self, scope: CallScope, span_name: str, method: grpc.UnaryUnaryMultiCallable,
-              request: Any, timeout_s: float, peer: str, phase: str, address: str, *,
-              prefill: str | None = None, decode: str | None = None,
-              placement: str = "") -> Any:
-        """One unary call that client cancellation interrupts; errors sorted by what to do and
-        named by the `peer` and the `phase` they happened in.
-
-        Traced as a client span (router.reserve, router.prefill) whose context the call
-        carries, so the worker's span is its child."""
-        with tracing.span(span_name, kind=tracing.CLIENT, worker=address,
-                          request_id=getattr(request, "request_id", ""), placement=placement):
-            scope.check()
-            future = method.future(request, timeout=timeout_s,
-                                   metadata=tracing.outgoing_metadata())
-            with scope.guard(future.cancel):
-                try:
-                    return future.result()
-                except grpc.FutureCancelledError:
-                    raise ClientCancelled() from None
-                except grpc.RpcError as exc:
-                    if scope.cancelled:
-                        raise ClientCancelled() from None
-                    code, details = exc.code().name, exc.details()
-            where = f"{peer} ({phase})"
-            if code == "DEADLINE_EXCEEDED" and details == "Deadline Exceeded":
-                details = f"no answer within {timeout_s:g} s"
-            if code == "UNAVAILABLE":
-                self._pool.suspect(address)  # re-check its health now, not at the next round
-            if code == "RESOURCE_EXHAUSTED":
-                raise ResourceExhausted(f"{where}: {details}")
-            if code in RETRYABLE:
-                raise _Retry(f"{where}: {code} {details}", prefill=prefill, decode=decode,
-                             code=code)
-            raise ServiceError(f"{where}: {details}", code)

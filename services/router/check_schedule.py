@@ -8,7 +8,9 @@ second cost 0.2 of a core). Above `CHECKS_PER_S * interval_s` members the checke
 each is read every `members / CHECKS_PER_S` seconds (10 s with 1,000 workers) and the calls
 are spread out instead of arriving in bursts.
 Between reads the router keeps loads current itself (what it sends each worker), and a worker
-that fails a call, or that just joined, is read in the next tick, not at its turn.
+that fails a call, or that just joined, is read in the next tick, not at its turn; so are the
+`DOWN_PER_TICK` workers down the longest (a worker still starting joins within seconds, a
+hundred dead ones cost at most that many reads a tick).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TypeVar
 
 CHECKS_PER_S = 100   # workers read per second at most, once the pool is large
 TICK_S = 0.25        # how often a large pool's next slice is read
+DOWN_PER_TICK = 25   # unhealthy workers read again each tick besides (longest down first)
 
 W = TypeVar("W")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.cache_feed import Followed
-from pdserve.router.check_schedule import plan_round, tick_s
+from pdserve.router.check_schedule import DOWN_PER_TICK, plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.router.worker import Worker
@@ -180,6 +181,10 @@ class WorkerPool:
             with self._lock:
                 members = [w for w in self._workers.values() if w.member]
                 urgent = [w for w in members if w.address in self._suspects or not w.checked]
+                now = time.monotonic()  # and the longest-down ones, a slice a tick
+                urgent += sorted((w for w in members if w.checked and not w.healthy
+                                  and now - w.checked_at >= RECHECK_DOWN_S),
+                                 key=lambda w: w.checked_at)[:DOWN_PER_TICK]
             turn = plan_round(members, self._rotation, self.interval_s, urgent)
             self._rotation = turn.next_start
             try:
@@ -218,7 +223,7 @@ class WorkerPool:
                     self._healthy.clear()
                     log.info("%s worker %s is %s", worker.role, worker.address,
                              "healthy" if healthy else f"unhealthy ({error})")
-                worker.healthy, worker.checked = healthy, True
+                worker.healthy, worker.checked, worker.checked_at = healthy, True, time.monotonic()
                 worker.last_error = "" if healthy else error
                 if fresh is not None:
                     worker.stats = fresh

@@ -26,6 +26,7 @@ class Worker:
     placed: int = 0  # prompts sent (prefill), reservations granted (decode): spreads ties
     calls: int = 0  # this router's calls on it now (acquire .. release)
     checked: bool = False  # read at least once since it joined
+    checked_at: float = 0.0  # monotonic time of its last read
     member: bool = True  # False once retired: no new calls; dropped after its last one
     last_error: str = field(default="", repr=False)
     streams: DecodeStreams | None = None  # decode: the shared stream its sequences run on
