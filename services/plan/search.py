@@ -128,9 +128,11 @@ class Goodput:
 
 
 def find_goodput(dep: Deployment, workload: Workload, profile: SimProfile | Profiles,
-                 slo: Slo, *, start: float = 1.0, lowest: float = 1e-3, highest: float = 1e6,
-                 rel_tol: float = 0.01) -> Goodput:
-    """The highest good rate, to `rel_tol` of itself (see the module's docstring)."""
+                 slo: Slo, *, start: float = 1.0, step: float = 2.0, lowest: float = 1e-3,
+                 highest: float = 1e6, rel_tol: float = 0.01) -> Goodput:
+    """The highest good rate, to `rel_tol` of itself (see the module's docstring): from
+    `start`, up or down by factors of `step` until it is bracketed (a `start` near the answer
+    wants a small step), then bisected."""
     tried: list[Point] = []
 
     def good(rate: float) -> bool:
@@ -142,19 +144,19 @@ def find_goodput(dep: Deployment, workload: Workload, profile: SimProfile | Prof
     if good(rate):
         low, high = rate, math.inf
         while high == math.inf and low < highest:
-            if good(low * 2):
-                low *= 2
+            if good(low * step):
+                low *= step
             else:
-                high = low * 2
+                high = low * step
         if high == math.inf:
             return Goodput(dep, low, tried)
     else:
         low, high = 0.0, rate
         while low == 0.0 and high > lowest:
-            if good(high / 2):
-                low = high / 2
+            if good(high / step):
+                low = high / step
             else:
-                high /= 2
+                high /= step
         if low == 0.0:
             return Goodput(dep, 0.0, tried)
     while high - low > rel_tol * low:
@@ -186,13 +188,15 @@ def deployments(max_workers: int, modes: Iterable[str], chunk_sizes: Iterable[in
 def plan(configs: Sequence[Deployment], workload: Workload, profile: SimProfile | Profiles,
          slo: Slo, progress: Callable[[int, Goodput], None] | None = None) -> list[Goodput]:
     """Each configuration's goodput, in the order given. The search of each starts from the
-    previous one's goodput (configurations are listed smallest first)."""
+    previous one's goodput per worker times its workers (where it usually ends)."""
     results: list[Goodput] = []
-    start = 1.0
+    previous: Goodput | None = None
     for i, dep in enumerate(configs):
-        result = find_goodput(dep, workload, profile, slo, start=start)
+        start = previous.rate * dep.workers / previous.deployment.workers if previous else 1.0
+        result = find_goodput(dep, workload, profile, slo, start=start,
+                              step=1.25 if previous else 2.0)
         if result.rate > 0:
-            start = result.rate
+            previous = result
         results.append(result)
         if progress is not None:
             progress(i, result)
