@@ -12,7 +12,8 @@ of `router/placement.py` (fed the loads the router would see, exactly and withou
   otherwise `place_prefill` picks a prefill worker, which computes it and ships the KV, and the
   decode worker admits the sequence between two of its steps once the KV has landed.
 
-Every request's TTFT also carries `request_overhead_ms` from the profile (router and RPCs).
+Every request's TTFT also carries `request_overhead_ms` (router and RPCs) from the decode or
+co-located workers' profile.
 Prefill and decode workers may have profiles of their own (`Profiles`: other hardware, or
 other cores); a prefill worker's profile also prices its handoffs.
 """
@@ -242,7 +243,9 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
     events = Events()
     profiles = Profiles.of(profile)
     router = _Router(dep, profiles, events, stop)
-    overhead = profiles.default.request_overhead_ms
+    # the router's and RPCs' time: the decode (or co-located) worker's profile carries it
+    overhead = profiles.role("colocated" if dep.mode == "colocated" else "decode"
+                             ).request_overhead_ms
     jobs = [Job(r.index, r.arrival_ms - overhead, r.prompt_tokens, r.output_tokens,
                 r.cached_tokens, r.cached_tokens) for r in requests]
     for job, request in zip(jobs, requests):

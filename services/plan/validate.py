@@ -1,11 +1,20 @@
 """`pdserve plan --validate`: the plan's predictions set against real stacks on this machine.
 
 For each configuration (co-located x1 and 1 prefill + 1 decode, the two this machine can
-run), the plan predicts a run of `count` requests of the workload at `rate`, then `pdserve up`
-runs that configuration for real and `pdserve bench serve` sends it the same requests (same
-workload spec, seed, rate and count, so the same lengths and arrival times), and the two are
-reported side by side: TTFT and TPOT p50 (and p99), with the relative error of each
-prediction. The target is a p50 error within 20%.
+run), `pdserve up` runs it for real and `pdserve bench serve` sends it two runs:
+
+1. calibration: `CALIBRATION_REQUESTS` requests one at a time (seed + 1000). What a serving
+   stack adds to the engine's own times at no load (router, RPCs, streaming, the worker's loop)
+   is what they took beyond the simulator's prediction for the same requests alone: the TPOT
+   gap becomes the decode (or co-located) worker's `step_overhead_ms`, the TTFT gap left after
+   it the `request_overhead_ms`;
+2. the measured run: `count` requests of the workload at `rate` (same spec, seed, rate and
+   count as the prediction, so the same lengths and arrival times), predicted with those
+   overheads.
+
+Reported side by side per configuration: TTFT and TPOT p50 (and p99), with the relative error
+of each prediction (the target: p50 within 20%), and the overheads found (put them in the
+profile to plan with them).
 
 Which profile predicts each stack matters: `pdserve up` gives a co-located worker every core
 and, in disaggregated mode, the prefill and the decode worker half each, so each kind should be
@@ -23,15 +32,19 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import cast
 
 from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import predict
 from pdserve.plan.workload import Workload, parse_arrivals
 
 CONFIGS = (Deployment("colocated", 0, 1), Deployment("disaggregated", 1, 1))
+CALIBRATION_REQUESTS = 8
+CALIBRATION_SEED = 1000  # added to the workload's seed
 TARGET_ERROR = 0.2
+IDLE_RATE = 1e-3  # req/s: requests 1,000 s apart, each alone
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
@@ -43,7 +56,8 @@ class Latencies:
     tpot_p99_ms: float | None = None
 
 
-Runner = Callable[[Deployment, float], Latencies]  # a real run of a configuration at a rate
+# A configuration run for real: (its calibration, its run at the rate)
+Runner = Callable[[Deployment, float], tuple[Latencies, Latencies]]
 
 
 def _error(predicted: float | None, measured: float | None) -> float | None:
@@ -52,22 +66,52 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured - 1
 
 
+def calibrate(dep: Deployment, workload: Workload, profiles: Profiles,
+              alone: Latencies) -> tuple[Profiles, dict[str, float]]:
+    """`profiles` with the serving overheads that make the calibration requests, one at a
+    time, take what they measured (`alone`); and those overheads."""
+    requests = replace(workload, seed=workload.seed + CALIBRATION_SEED)
+    role = "colocated" if dep.mode == "colocated" else "decode"
+
+    def with_overheads(step_ms: float, request_ms: float) -> Profiles:
+        own = replace(profiles.role(role), step_overhead_ms=step_ms,
+                      request_overhead_ms=request_ms)
+        return replace(profiles, default=own) if role == "colocated" else \
+            replace(profiles, decode=own)
+
+    base = profiles.role(role)
+    first = predict(dep, requests, profiles, IDLE_RATE, count=CALIBRATION_REQUESTS)
+    step = max(0.0, base.step_overhead_ms + (alone.tpot_p50_ms or 0.0)
+               - (first.tpot_p50_ms or 0.0)) if alone.tpot_p50_ms else base.step_overhead_ms
+    second = predict(dep, requests, with_overheads(step, base.request_overhead_ms), IDLE_RATE,
+                     count=CALIBRATION_REQUESTS)
+    request = max(0.0, base.request_overhead_ms + (alone.ttft_p50_ms or 0.0)
+                  - (second.ttft_p50_ms or 0.0)) if alone.ttft_p50_ms \
+        else base.request_overhead_ms
+    return with_overheads(step, request), {"step_overhead_ms": step,
+                                           "request_overhead_ms": request}
+
+
 def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profiles, rate: float,
              count: int, run: Runner) -> list[dict[str, object]]:
-    """Per configuration: `{config, rate, requests, predicted, measured, error, within}`."""
+    """Per configuration: `{config, rate, requests, predicted, measured, error,
+    within_target, calibration}`."""
     out: list[dict[str, object]] = []
     for dep in configs:
-        point = predict(dep, workload, profiles, rate, count=count)
+        alone, measured = run(dep, rate)
+        calibrated, overheads = calibrate(dep, workload, profiles, alone)
+        point = predict(dep, workload, calibrated, rate, count=count)
         predicted = Latencies(point.ttft_p50_ms, point.tpot_p50_ms, point.ttft_p99_ms,
                               point.tpot_p99_ms)
-        measured = run(dep, rate)
         errors = {"ttft_p50": _error(predicted.ttft_p50_ms, measured.ttft_p50_ms),
                   "tpot_p50": _error(predicted.tpot_p50_ms, measured.tpot_p50_ms)}
         out.append({"config": dep.name, "deployment": asdict(dep), "rate": rate,
                     "requests": count, "predicted": asdict(predicted),
                     "measured": asdict(measured), "error": errors,
                     "within_target": all(e is not None and abs(e) <= TARGET_ERROR
-                                         for e in errors.values())})
+                                         for e in errors.values()),
+                    "calibration": {"requests": CALIBRATION_REQUESTS, "measured": asdict(alone),
+                                    **overheads}})
     return out
 
 
@@ -87,6 +131,11 @@ def table(rows: Sequence[dict[str, object]]) -> str:
         lines.append(f"{row['config']:<24} {row['rate']:>6.2f}  "
                      f"{cell(row, 'ttft_p50_ms'):>22}  {cell(row, 'tpot_p50_ms'):>22}  "
                      f"{'yes' if row['within_target'] else 'no'}")
+    for row in rows:
+        cal = cast(dict[str, float], row["calibration"])
+        lines.append(f"{row['config']}: serving overheads from {cal['requests']:.0f} requests "
+                     f"alone: request {cal['request_overhead_ms']:.2f} ms, step "
+                     f"{cal['step_overhead_ms']:.2f} ms")
     return "\n".join(lines)
 
 
@@ -104,18 +153,25 @@ class StackRunner:
         self.log_dir = log_dir
         self.ready_s = ready_s
 
-    def __call__(self, dep: Deployment, rate: float) -> Latencies:
+    def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
         name = dep.name.replace(" ", "-")
         with self._stack(dep, name) as target:
-            out = self.log_dir / f"bench-{name}.json"
-            cmd = [*PDSERVE, "bench", "serve", "--target", target, "--model", self.model,
-                   "--workload", self.workload.spec, "--rate", f"{rate:g}",
-                   "--burstiness", f"{self.burstiness:g}", "--num-requests", str(self.count),
-                   "--seed", str(self.workload.seed), "--json", str(out)]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-            if done.returncode != 0:
-                raise RuntimeError(f"bench serve against {dep.name} failed:\n"
-                                   f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            alone = self._bench(target, f"{name}-calibration", [
+                "--concurrency", "1", "--num-requests", str(CALIBRATION_REQUESTS),
+                "--seed", str(self.workload.seed + CALIBRATION_SEED)])
+            loaded = self._bench(target, name, [
+                "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
+                "--num-requests", str(self.count), "--seed", str(self.workload.seed)])
+        return alone, loaded
+
+    def _bench(self, target: str, name: str, flags: list[str]) -> Latencies:
+        out = self.log_dir / f"bench-{name}.json"
+        cmd = [*PDSERVE, "bench", "serve", "--target", target, "--model", self.model,
+               "--workload", self.workload.spec, "--json", str(out), *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench serve ({name}) failed:\n{done.stdout[-2000:]}\n"
+                               f"{done.stderr[-2000:]}")
         summary = json.loads(out.read_text())["runs"][0]["summary"]
         ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
         return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"])

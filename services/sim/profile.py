@@ -4,6 +4,7 @@
                            + prefill_ms_per_attended_token * n (n + 1) / 2   (one prompt alone)
     decode_step_ms(b, c) = decode_base_ms + decode_ms_per_seq * b
                            + decode_ms_per_attended_token * c   (b sequences, c context tokens)
+    (each + step_overhead_ms: a serving worker's own time per step, beyond the forward)
     handoff_ms(bytes)    = handoff_base_ms + bytes / (handoff_gb_s * 1e9) * 1e3
 
 The attention terms count (query token, key token) pairs: a prompt chunk of n tokens after s
@@ -11,7 +12,8 @@ computed ones attends to n s + n (n + 1) / 2 of them, a decode step to every seq
 context. `step_ms` prices one engine step of decodes and prompt chunks together (what
 `pdserve plan` simulates). The fields after `max_model_len` are used by `pdserve plan` only
 and default to "no effect", so a profile without them times everything as before:
-`request_overhead_ms` (router and RPC time in every TTFT), `tp_efficiency` (a worker with
+`request_overhead_ms` (router and RPC time in every TTFT), `step_overhead_ms` (what a
+serving worker's loop, output dispatch and streaming add to each step), `tp_efficiency` (a worker with
 tensor parallelism N runs its steps 1 + tp_efficiency (N - 1) times faster; 0: not modelled)
 and `devices_per_worker` (the cores or GPUs one worker of TP 1 uses, for goodput per device).
 
@@ -47,6 +49,7 @@ class SimProfile:
     request_overhead_ms: float = 0.0
     tp_efficiency: float = 0.0
     devices_per_worker: float = 1.0
+    step_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -60,11 +63,12 @@ class SimProfile:
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_base_ms + self.prefill_ms_per_token * num_tokens \
-            + self.prefill_ms_per_attended_token * num_tokens * (num_tokens + 1) / 2
+            + self.prefill_ms_per_attended_token * num_tokens * (num_tokens + 1) / 2 \
+            + self.step_overhead_ms
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
         return self.decode_base_ms + self.decode_ms_per_seq * batch \
-            + self.decode_ms_per_attended_token * context_tokens
+            + self.decode_ms_per_attended_token * context_tokens + self.step_overhead_ms
 
     def step_ms(self, num_decodes: int, context_tokens: int,
                 chunks: Iterable[tuple[int, int]] = ()) -> float:
@@ -78,7 +82,8 @@ class SimProfile:
             attended += n * start + n * (n + 1) // 2
         if not tokens:
             return self.decode_step_ms(num_decodes, context_tokens)
-        ms = self.prefill_ms_per_token * tokens + self.prefill_ms_per_attended_token * attended
+        ms = self.prefill_ms_per_token * tokens + self.prefill_ms_per_attended_token * attended \
+            + self.step_overhead_ms
         if not num_decodes:
             return self.prefill_base_ms + ms
         return max(self.prefill_base_ms, self.decode_base_ms) + ms \

@@ -25,9 +25,9 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
     w = Workload("fixed:300,10", num_requests=1000)
     seen: list[tuple[str, float]] = []
 
-    def fake(dep: Deployment, rate: float) -> Latencies:
+    def fake(dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
         seen.append((dep.name, rate))
-        return Latencies(40.0, 6.0)
+        return Latencies(None, None), Latencies(40.0, 6.0)  # no calibration: no overheads
 
     rows = validate.validate(validate.CONFIGS, w, Profiles(PROFILE), 2.0, 30, fake)
     assert seen == [("colocated x1 chunk 512", 2.0), ("1P+1D chunk 512", 2.0)]
@@ -47,7 +47,8 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
 
 def test_a_prediction_off_by_more_than_20_percent_is_flagged():
     rows = validate.validate([Deployment("colocated", 0, 1)], Workload("fixed:300,10"),
-                             Profiles(PROFILE), 1.0, 10, lambda d, r: Latencies(20.0, 6.0))
+                             Profiles(PROFILE), 1.0, 10,
+                             lambda d, r: (Latencies(None, None), Latencies(20.0, 6.0)))
     assert rows[0]["within_target"] is False  # TTFT 32 predicted, 20 measured: +60%
 
 
@@ -61,8 +62,8 @@ def test_plan_validate_writes_the_validation_json(tmp_path, monkeypatch, capsys)
         def __init__(self, model: str, workload: Workload, count: int, log_dir: object):
             assert model == "tiny" and count == 20
 
-        def __call__(self, dep: Deployment, rate: float) -> Latencies:
-            return Latencies(35.0, 6.5, 50.0, 7.0)
+        def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
+            return Latencies(35.0, 6.5), Latencies(35.0, 6.5, 50.0, 7.0)
 
     monkeypatch.setattr(validate, "StackRunner", FakeRunner)
     profile = tmp_path / "p.json"
@@ -78,4 +79,36 @@ def test_plan_validate_writes_the_validation_json(tmp_path, monkeypatch, capsys)
         assert v["rate"] == 1.5 and v["requests"] == 20
         assert set(v["predicted"]) >= {"ttft_p50_ms", "tpot_p50_ms"}
         assert v["measured"]["ttft_p50_ms"] == 35.0
+        assert v["calibration"]["step_overhead_ms"] == pytest.approx(0.5)  # 6.5 - 6 alone
     assert "TTFT p50 pred/meas" in capsys.readouterr().out
+
+
+def test_calibration_turns_what_requests_alone_took_beyond_the_model_into_overheads():
+    w = Workload("fixed:300,10")
+    profiles = Profiles(PROFILE)
+    # alone: co-located TTFT 32 (one prefill step), TPOT 6; measured 3 ms and 0.5 ms more
+    calibrated, found = validate.calibrate(Deployment("colocated", 0, 1), w, profiles,
+                                           Latencies(35.0, 6.5))
+    assert found["step_overhead_ms"] == pytest.approx(0.5)
+    assert found["request_overhead_ms"] == pytest.approx(2.5)  # the prefill step has 0.5 too
+    assert calibrated.default.step_overhead_ms == pytest.approx(0.5)
+    alone = predict(Deployment("colocated", 0, 1), w, calibrated, 1e-3, count=8)
+    assert alone.ttft_p50_ms == pytest.approx(35.0) and alone.tpot_p50_ms == pytest.approx(6.5)
+    # disaggregated: the decode worker's profile takes them; the prefill worker's is untouched
+    calibrated, found = validate.calibrate(Deployment("disaggregated", 1, 1), w, profiles,
+                                           Latencies(36.3, 7.0))
+    assert found == {"step_overhead_ms": pytest.approx(1.0),
+                     "request_overhead_ms": pytest.approx(3.0)}
+    assert calibrated.role("decode").step_overhead_ms == pytest.approx(1.0)
+    assert calibrated.role("prefill").step_overhead_ms == 0.0
+    # never negative: a stack faster than the model leaves the profile as it was
+    _, found = validate.calibrate(Deployment("colocated", 0, 1), w, profiles,
+                                  Latencies(20.0, 5.0))
+    assert found == {"step_overhead_ms": 0.0, "request_overhead_ms": 0.0}
+
+
+def test_step_overhead_is_paid_once_by_every_step():
+    p = SimProfile(**{**PROFILE.__dict__, "step_overhead_ms": 0.7})
+    assert p.prefill_ms(300) == pytest.approx(32.7)
+    assert p.decode_step_ms(2) == pytest.approx(7.7)
+    assert p.step_ms(2, 0, [(0, 100)]) == pytest.approx(5 + 10 + 2 + 0.7)
