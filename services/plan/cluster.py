@@ -131,9 +131,10 @@ class EarlyStop:
 
 class _Router:
     def __init__(self, dep: Deployment, profiles: Profiles, events: Events,
-                 stop: EarlyStop | None):
+                 stop: EarlyStop | None, contention: float = 0.0):
         self.dep, self.events, self.stop = dep, events, stop
         self.misses = 0
+        slow = 1.0 - contention  # the share of the cores left to the workers
         callbacks = {"on_first_token": self._first_token, "on_done": self._done,
                      "on_handed_off": self._handed_off}
         role = "colocated" if dep.mode == "colocated" else "decode"
@@ -141,14 +142,14 @@ class _Router:
         if dep.mode == "colocated":
             decode = EngineParams(role, dep.chunk_size, dep.max_prefill_tokens,
                                   dep.max_num_seqs, 0, dep.prefill_age_ms,
-                                  decode_profile.tp_speedup(dep.tp))
+                                  decode_profile.tp_speedup(dep.tp) * slow)
         else:
             decode = EngineParams(role, dep.decode_chunk_size, dep.max_prefill_tokens,
                                   dep.max_num_seqs, 1, dep.prefill_age_ms,
-                                  decode_profile.tp_speedup(dep.tp))
+                                  decode_profile.tp_speedup(dep.tp) * slow)
         prefill = EngineParams("prefill", dep.chunk_size, dep.max_prefill_tokens,
                                dep.max_num_seqs, 0, dep.prefill_age_ms,
-                               prefill_profile.tp_speedup(dep.tp))
+                               prefill_profile.tp_speedup(dep.tp) * slow)
         self.decoders = {f"{role}{i}": EngineSim(f"{role}{i}", decode, decode_profile, events,
                                                  **callbacks)
                          for i in range(dep.num_decode)}
@@ -242,7 +243,9 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
     when `stop` is given and more requests than it allows miss an objective."""
     events = Events()
     profiles = Profiles.of(profile)
-    router = _Router(dep, profiles, events, stop)
+    span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1e3 if requests else 0.0
+    tokens_per_s = sum(r.output_tokens for r in requests) / span_s if span_s > 0 else 0.0
+    router = _Router(dep, profiles, events, stop, profiles.default.contention(tokens_per_s))
     # the router's and RPCs' time: the decode (or co-located) worker's profile carries it
     overhead = profiles.role("colocated" if dep.mode == "colocated" else "decode"
                              ).request_overhead_ms

@@ -195,7 +195,7 @@ def _validate(cfg: PlanConfig, workload: Workload, slo: Slo, profiles: Profiles 
         runner = validate.StackRunner(cfg.model, workload, cfg.validate_requests,
                                       validate.log_dir())
         rows = validate.validate(validate.CONFIGS, workload, profiles, rate,
-                                 cfg.validate_requests, runner)
+                                 cfg.validate_requests, runner, validate.machine_cores())
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"pdserve plan --validate: {exc}", file=sys.stderr)
         return 1

@@ -54,6 +54,7 @@ class Latencies:
     tpot_p50_ms: float | None
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    cpu_ms_per_token: float | None = None  # measured: the router's and the client's CPU
 
 
 # A configuration run for real: (its calibration, its run at the rate)
@@ -66,10 +67,16 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured - 1
 
 
-def calibrate(dep: Deployment, workload: Workload, profiles: Profiles,
-              alone: Latencies) -> tuple[Profiles, dict[str, float]]:
+def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: Latencies,
+              shared_cores: float = 0.0) -> tuple[Profiles, dict[str, float]]:
     """`profiles` with the serving overheads that make the calibration requests, one at a
-    time, take what they measured (`alone`); and those overheads."""
+    time, take what they measured (`alone`); and those overheads. With `shared_cores`, the
+    router's and the client's CPU per token (`alone.cpu_ms_per_token`) is taken from the
+    cores the workers run on (`SimProfile.contention`): they all share this machine."""
+    if shared_cores and alone.cpu_ms_per_token is not None:
+        profiles = replace(profiles, default=replace(
+            profiles.default, shared_cpu_ms_per_token=alone.cpu_ms_per_token,
+            shared_cores=shared_cores))
     requests = replace(workload, seed=workload.seed + CALIBRATION_SEED)
     role = "colocated" if dep.mode == "colocated" else "decode"
 
@@ -88,18 +95,20 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles,
     request = max(0.0, base.request_overhead_ms + (alone.ttft_p50_ms or 0.0)
                   - (second.ttft_p50_ms or 0.0)) if alone.ttft_p50_ms \
         else base.request_overhead_ms
-    return with_overheads(step, request), {"step_overhead_ms": step,
-                                           "request_overhead_ms": request}
+    found = {"step_overhead_ms": step, "request_overhead_ms": request}
+    if shared_cores and alone.cpu_ms_per_token is not None:
+        found.update(shared_cpu_ms_per_token=alone.cpu_ms_per_token, shared_cores=shared_cores)
+    return with_overheads(step, request), found
 
 
 def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profiles, rate: float,
-             count: int, run: Runner) -> list[dict[str, object]]:
+             count: int, run: Runner, shared_cores: float = 0.0) -> list[dict[str, object]]:
     """Per configuration: `{config, rate, requests, predicted, measured, error,
     within_target, calibration}`."""
     out: list[dict[str, object]] = []
     for dep in configs:
         alone, measured = run(dep, rate)
-        calibrated, overheads = calibrate(dep, workload, profiles, alone)
+        calibrated, overheads = calibrate(dep, workload, profiles, alone, shared_cores)
         point = predict(dep, workload, calibrated, rate, count=count)
         predicted = Latencies(point.ttft_p50_ms, point.tpot_p50_ms, point.ttft_p99_ms,
                               point.tpot_p99_ms)
@@ -133,9 +142,11 @@ def table(rows: Sequence[dict[str, object]]) -> str:
                      f"{'yes' if row['within_target'] else 'no'}")
     for row in rows:
         cal = cast(dict[str, float], row["calibration"])
+        shared = f", router + client CPU {cal['shared_cpu_ms_per_token']:.2f} ms per token " \
+            f"on {cal['shared_cores']:g} shared cores" if "shared_cores" in cal else ""
         lines.append(f"{row['config']}: serving overheads from {cal['requests']:.0f} requests "
                      f"alone: request {cal['request_overhead_ms']:.2f} ms, step "
-                     f"{cal['step_overhead_ms']:.2f} ms")
+                     f"{cal['step_overhead_ms']:.2f} ms{shared}")
     return "\n".join(lines)
 
 
@@ -158,7 +169,7 @@ class StackRunner:
         with self._stack(dep, name) as target:
             alone = self._bench(target, f"{name}-calibration", [
                 "--concurrency", "1", "--num-requests", str(CALIBRATION_REQUESTS),
-                "--seed", str(self.workload.seed + CALIBRATION_SEED)])
+                "--seed", str(self.workload.seed + CALIBRATION_SEED), "--server-cpu", target])
             loaded = self._bench(target, name, [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
                 "--num-requests", str(self.count), "--seed", str(self.workload.seed)])
@@ -174,7 +185,9 @@ class StackRunner:
                                f"{done.stderr[-2000:]}")
         summary = json.loads(out.read_text())["runs"][0]["summary"]
         ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
-        return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"])
+        cpu = [summary.get(k) for k in ("server_cpu_ms_per_token", "client_cpu_ms_per_token")]
+        return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"],
+                         sum(c for c in cpu if c is not None) if any(cpu) else None)
 
     @contextmanager
     def _stack(self, dep: Deployment, name: str) -> Iterator[str]:
@@ -232,6 +245,13 @@ def measure_profiles(model: str, progress: bool) -> Profiles:
         ProfileConfig, "profile", ["--model", model, "--threads", str(max(1, cores // 2))]),
         progress)[0]
     return Profiles(whole, half, half)
+
+
+def machine_cores() -> float:
+    """The cores this process may use (the stacks' workers, router and client share them)."""
+    from pdserve.common.cpus import cpu_allowance
+
+    return float(cpu_allowance())
 
 
 def log_dir() -> Path:

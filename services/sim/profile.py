@@ -13,7 +13,10 @@ context. `step_ms` prices one engine step of decodes and prompt chunks together 
 `pdserve plan` simulates). The fields after `max_model_len` are used by `pdserve plan` only
 and default to "no effect", so a profile without them times everything as before:
 `request_overhead_ms` (router and RPC time in every TTFT), `step_overhead_ms` (what a
-serving worker's loop, output dispatch and streaming add to each step), `tp_efficiency` (a worker with
+serving worker's loop, output dispatch and streaming add to each step), `shared_cpu_ms_per_token`
+and `shared_cores` (processes beside the workers on their cores, such as a router and clients
+on the same machine, spending that much CPU per output token: every step is slower by
+1 / (1 - their share of the `shared_cores`); 0: not modelled), `tp_efficiency` (a worker with
 tensor parallelism N runs its steps 1 + tp_efficiency (N - 1) times faster; 0: not modelled)
 and `devices_per_worker` (the cores or GPUs one worker of TP 1 uses, for goodput per device).
 
@@ -50,6 +53,8 @@ class SimProfile:
     tp_efficiency: float = 0.0
     devices_per_worker: float = 1.0
     step_overhead_ms: float = 0.0
+    shared_cpu_ms_per_token: float = 0.0
+    shared_cores: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -89,6 +94,14 @@ class SimProfile:
         return max(self.prefill_base_ms, self.decode_base_ms) + ms \
             + self.decode_ms_per_seq * num_decodes \
             + self.decode_ms_per_attended_token * context_tokens
+
+    def contention(self, output_tokens_per_s: float) -> float:
+        """The share of the workers' cores that processes beside them take at this output
+        rate (at most 0.9); 0 when `shared_cores` is 0."""
+        if not self.shared_cores:
+            return 0.0
+        return min(0.9, output_tokens_per_s * self.shared_cpu_ms_per_token
+                   / (1e3 * self.shared_cores))
 
     def tp_speedup(self, tp: int) -> float:
         """How many times faster a worker with tensor parallelism `tp` steps (1 + tp_efficiency

@@ -35,7 +35,8 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
         want = predict(dep, w, PROFILE, 2.0, count=30)  # 30 requests, as bench serve sends
         assert row["predicted"]["ttft_p50_ms"] == want.ttft_p50_ms  # type: ignore[index]
         assert row["measured"] == {"ttft_p50_ms": 40.0, "tpot_p50_ms": 6.0,
-                                   "ttft_p99_ms": None, "tpot_p99_ms": None}
+                                   "ttft_p99_ms": None, "tpot_p99_ms": None,
+                                   "cpu_ms_per_token": None}
         assert row["error"]["ttft_p50"] == pytest.approx(  # type: ignore[index]
             want.ttft_p50_ms / 40.0 - 1)
     # alone at 2 req/s: TTFT 32 ms co-located, 33.3 ms through the handoff; TPOT 6 ms
@@ -112,3 +113,19 @@ def test_step_overhead_is_paid_once_by_every_step():
     assert p.prefill_ms(300) == pytest.approx(32.7)
     assert p.decode_step_ms(2) == pytest.approx(7.7)
     assert p.step_ms(2, 0, [(0, 100)]) == pytest.approx(5 + 10 + 2 + 0.7)
+
+
+def test_the_routers_and_clients_cpu_slows_the_workers_on_a_shared_machine():
+    w = Workload("fixed:300,10", arrivals="constant", num_requests=200)
+    dep = Deployment("colocated", 0, 1)
+    calibrated, found = validate.calibrate(dep, w, Profiles(PROFILE),
+                                           Latencies(32.0, 6.0, cpu_ms_per_token=0.5), 2.0)
+    assert found["shared_cpu_ms_per_token"] == 0.5 and found["shared_cores"] == 2.0
+    # 10 req/s x 10 tokens x 0.5 ms of CPU = 50 ms per s of 2 cores: 2.5%, steps / 0.975
+    assert calibrated.default.contention(100.0) == pytest.approx(0.025)
+    alone = predict(dep, w, PROFILE, 1.0)
+    shared = predict(dep, w, calibrated, 1.0)  # 2,000 tokens offered over 199 s
+    share = 2000 / 199 * 0.5 / 2000
+    assert shared.tpot_p50_ms == pytest.approx(alone.tpot_p50_ms / (1 - share))
+    assert SimProfile().contention(1e6) == 0.0  # not modelled without shared_cores
+    assert SimProfile(shared_cores=1, shared_cpu_ms_per_token=1).contention(1e6) == 0.9
