@@ -7,7 +7,9 @@ run), `pdserve up` runs it for real and `pdserve bench serve` sends it two runs:
    stack adds to the engine's own times at no load (router, RPCs, streaming, the worker's loop)
    is what they took beyond the simulator's prediction for the same requests alone: the TPOT
    gap becomes the decode (or co-located) worker's `step_overhead_ms`, the TTFT gap left after
-   it the `request_overhead_ms`;
+   it the `request_overhead_ms`. Then a closed-loop burst (`CPU_CONCURRENCY` in flight) gives
+   the router's and the client's CPU per output token, which on this machine comes out of the
+   workers' cores (`SimProfile.contention`);
 2. the measured run: `count` requests of the workload at `rate` (same spec, seed, rate and
    count as the prediction, so the same lengths and arrival times), predicted with those
    overheads.
@@ -43,6 +45,10 @@ from pdserve.plan.workload import Workload, parse_arrivals
 CONFIGS = (Deployment("colocated", 0, 1), Deployment("disaggregated", 1, 1))
 CALIBRATION_REQUESTS = 8
 CALIBRATION_SEED = 1000  # added to the workload's seed
+# The router's and the client's CPU per token is measured with this many requests in flight:
+# one at a time, the router's fixed background work (health checks, Stats) over a slow run
+# doubled it (1.0 ms per token against ~0.5)
+CPU_CONCURRENCY = 8
 TARGET_ERROR = 0.2
 IDLE_RATE = 1e-3  # req/s: requests 1,000 s apart, each alone
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -169,7 +175,12 @@ class StackRunner:
         with self._stack(dep, name) as target:
             alone = self._bench(target, f"{name}-calibration", [
                 "--concurrency", "1", "--num-requests", str(CALIBRATION_REQUESTS),
-                "--seed", str(self.workload.seed + CALIBRATION_SEED), "--server-cpu", target])
+                "--seed", str(self.workload.seed + CALIBRATION_SEED)])
+            busy = self._bench(target, f"{name}-cpu", [
+                "--concurrency", str(CPU_CONCURRENCY), "--num-requests",
+                str(2 * CPU_CONCURRENCY), "--seed", str(self.workload.seed + CALIBRATION_SEED),
+                "--server-cpu", target])
+            alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token)
             loaded = self._bench(target, name, [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
                 "--num-requests", str(self.count), "--seed", str(self.workload.seed)])
