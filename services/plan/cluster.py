@@ -159,6 +159,7 @@ class _Router:
         self.placed = dict.fromkeys(self.decoders, 0)
         self.inflight = dict.fromkeys(self.decoders, 0)
         self.prefill_tokens = dict.fromkeys(self.prefillers, 0)
+        self.prefill_placed = dict.fromkeys(self.prefillers, 0)
         self.decoder_of: dict[int, EngineSim] = {}
         self.prefiller_of: dict[int, EngineSim] = {}
         self.failed: list[Job] = []
@@ -201,9 +202,12 @@ class _Router:
         if len(self.prefillers) == 1:
             return next(iter(self.prefillers.values()))
         loads = [PrefillLoad(name, True, queued_prompt_tokens=e.queued_prompt_tokens,
-                             inflight_prompt_tokens=self.prefill_tokens[name])
+                             inflight_prompt_tokens=self.prefill_tokens[name],
+                             placed=self.prefill_placed[name])
                  for name, e in self.prefillers.items()]
-        return self.prefillers[place_prefill(loads, uncached).ranked[0]]
+        chosen = place_prefill(loads, uncached).ranked[0]
+        self.prefill_placed[chosen] += 1
+        return self.prefillers[chosen]
 
     def _handed_off(self, job: Job, at_ms: float) -> None:
         self.events.at(at_ms, self._land, job)

@@ -215,3 +215,9 @@ def test_prefill_and_decode_workers_may_have_profiles_of_their_own():
     assert c.tpot_ms == pytest.approx(6.0)       # co-located workers: the default profile
     assert profiles.devices(Deployment("disaggregated", 2, 3, tp=2)) == 2 * (2 * 2 + 3 * 1)
     assert profiles.devices(Deployment("colocated", 0, 3)) == 3
+
+
+def test_idle_prefill_workers_take_turns_as_the_router_spreads_ties():
+    outcomes = run(Deployment("disaggregated", 2, 1), *[(100.0 * i, 300, 2) for i in range(4)])
+    assert [o.workers.split(" -> ")[0] for o in outcomes] == \
+        ["prefill0", "prefill1", "prefill0", "prefill1"]
