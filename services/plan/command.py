@@ -34,7 +34,7 @@ from pdserve.sim.profile import SimProfile
 WORKLOAD_HELP = ("prompt and output lengths, as pdserve bench serve --workload: fixed:IN,OUT | "
                  "uniform:IN_LO-IN_HI,OUT_LO-OUT_HI | chat[:IN_MEDIAN,OUT_MEDIAN] | "
                  "mixed:SHORT,LONG,SHARE,OUT")
-CURVE = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)  # x the best goodput shown
+CURVE = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5)  # x each configuration's goodput
 
 
 def _ints(text: tuple[str, ...]) -> list[int]:
@@ -76,7 +76,7 @@ class PlanConfig:
     remote_prefill_min_tokens: int = option(256, "the router's --remote-prefill-min-tokens")
     rates: tuple[str, ...] = option((), "rates (req/s) at which the configurations shown are "
                                         "also simulated in full, for --plot and --json "
-                                        "(default: 0.1x to 2x the best goodput shown)")
+                                        "(default: 0.25x to 1.5x each one's goodput)")
     need_rate: float = option(0.0, "the rate the deployment must serve (req/s): the table "
                                    "says which configurations reach it")
     rank_by: str = option("worker", "rank by goodput per worker, per device (worker x TP x "
@@ -152,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             r.at_goodput = predict(r.deployment, workload, profiles, r.goodput_rps, slo)
     ranked = rank(results, cfg.rank_by)
     shown = ranked[:cfg.top] if cfg.top else ranked
-    rates = [float(r) for r in cfg.rates] or \
-        [k * max((r.goodput_rps for r in shown), default=1.0) or 1.0 for k in CURVE]
+    fallback = max((r.goodput_rps for r in shown), default=0.0) or 1.0
     if cfg.plot or cfg.json:
         for r in shown:
+            rates = [float(x) for x in cfg.rates] or \
+                [k * (r.goodput_rps or fallback) for k in CURVE]  # around its own cliff
             r.curve = [predict(r.deployment, workload, profiles, rate, slo) for rate in rates]
     notes = [n for n in (tp_note(profile, tps),) if n]
     print(f"pdserve plan: {len(configs)} configurations, up to {cfg.max_workers} workers")
