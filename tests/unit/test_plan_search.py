@@ -154,3 +154,15 @@ def test_plan_command_takes_a_profile_per_worker_kind(tmp_path):
     doc = json.loads(out.read_text())
     assert [(c["config"], c["devices"]) for c in doc["configs"]] == [("1P+1D chunk 512", 3.0)]
     assert doc["prefill_profile"]["devices_per_worker"] == 2 and doc["decode_profile"] is None
+
+
+def test_plan_command_plots_attainment_around_each_goodput(tmp_path):
+    png, out = tmp_path / "plan.png", tmp_path / "plan.json"
+    assert command.main(["--modes", "colocated", "--max-workers", "1", "--num-requests", "50",
+                         "--no-progress", "--plot", str(png), "--json", str(out)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (config,) = json.loads(out.read_text())["configs"]
+    rates = [p["rate"] for p in config["curve"]]
+    assert rates == pytest.approx([k * config["goodput_rps"] for k in command.CURVE])
+    attainment = [p["attainment"] for p in config["curve"]]
+    assert attainment[0] >= 0.9 > attainment[-1]  # the cliff is inside the curve
