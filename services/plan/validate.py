@@ -163,7 +163,7 @@ class StackRunner:
                  ready_s: float = 300.0):
         shape = parse_arrivals(workload.arrivals)
         if shape == 0:
-            raise ValueError("--validate: pdserve bench serve has no constant arrivals; use "
+            raise ValueError("pdserve bench serve has no constant arrivals; use "
                              "--arrivals poisson or gamma:SHAPE")
         self.model, self.workload, self.count = model, workload, count
         self.burstiness = shape
