@@ -2,10 +2,11 @@
 load, the figures an operator sizes a router by, and workers vanishing at once.
 
 Small here (140 workers, a few seconds; 70 decode workers is past the size where the router
-stops sharing one decode stream per worker, so the call-per-sequence path runs): it checks that every figure is measured and
-that the run behaves (all requests of the window served, every worker used and seen healthy,
-the killed ones noticed, nothing left running); the figures themselves come from
-`pdserve bench router --workers 1000` on a quiet machine (docs/benchmarks.md)."""
+stops sharing one decode stream per worker, so the call-per-sequence path runs): it checks
+that every figure is measured and that the run behaves (all requests of the window served,
+every worker used and seen healthy, the killed ones noticed, nothing left running); the
+figures themselves come from `pdserve bench router --workers 1000` on a quiet machine
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
