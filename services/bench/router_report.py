@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.loadgen.stats import percentile
 from pdserve.bench.router_load import Shot
 
 
@@ -57,16 +58,10 @@ def machine() -> dict[str, Any]:
 
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
-    """p50/p90/p99 (nearest rank), mean and count; None without values."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
-    ordered = sorted(values)
-
-    def rank(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99),
-            "mean": sum(ordered) / len(ordered), "n": len(ordered)}
+    """p50/p90/p99 (as `pdserve bench serve` computes them), mean and count."""
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99),
+            "mean": sum(values) / len(values) if values else None, "n": len(values)}
 
 
 def _first_all_used(shots: list[Shot], total: int) -> float | None:
