@@ -239,7 +239,8 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
     print(f"load: {args.rate:g} req/s for {seconds:g} s ({args.warmup:g} s warm-up, "
           f"{args.duration:g} s measured) ...", flush=True)
     shots = asyncio.run(drive(router.address, rate=args.rate, seconds=seconds,
-                              prompt=prompt_ids(args.prompt_tokens, vocab, args.seed),
+                              prompt=lambda i: prompt_ids(args.prompt_tokens, vocab,
+                                                          args.seed * 1_000_003 + i),
                               max_tokens=args.output_tokens, seed=args.seed,
                               at=[(window.start_s, lambda: mark("start")),
                                   (window.end_s, kill)]))

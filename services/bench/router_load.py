@@ -1,8 +1,9 @@
 """The load of `pdserve bench router`: an open-loop stream of short requests on one asyncio
 loop (grpc.aio), cheap enough per request that the router, not the client, is what saturates.
 
-Requests arrive as a Poisson process at `rate`; each is greedy, EOS ignored, its prompt given
-as token ids and named `b<index>` so the simulated workers' ledger (pdserve.sim.workers.Ledger)
+Requests arrive as a Poisson process at `rate`; each is greedy, EOS ignored, its own prompt
+(no two share a first page, so placement spreads them as it would distinct users) given as
+token ids and named `b<index>` so the simulated workers' ledger (pdserve.sim.workers.Ledger)
 can be matched to it. A request is sent at its arrival time even when earlier ones have not
 finished (open loop); `lag_ms` says how late the loop sent it, so a saturated client shows.
 """
@@ -67,12 +68,12 @@ async def _one(stub: router_pb2_grpc.RouterStub, shot: Shot, prompt: list[int],
     shot.e2e_ms = (time.perf_counter() - start) * 1e3
 
 
-async def drive(address: str, *, rate: float, seconds: float, prompt: list[int],
+async def drive(address: str, *, rate: float, seconds: float, prompt: Callable[[int], list[int]],
                 max_tokens: int, seed: int = 0, timeout_s: float = 30.0,
                 at: list[tuple[float, Callable[[], None]]] | None = None) -> list[Shot]:
-    """Send requests at `rate` per second for `seconds`; every one is awaited before this
-    returns. `at`: (seconds from the start, callback) pairs run on the loop at those times
-    (e.g. killing workers)."""
+    """Send requests at `rate` per second for `seconds`, request i with `prompt(i)`; every one
+    is awaited before this returns. `at`: (seconds from the start, callback) pairs run on the
+    loop at those times (e.g. killing workers)."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     shots: list[Shot] = []
@@ -89,7 +90,8 @@ async def drive(address: str, *, rate: float, seconds: float, prompt: list[int],
                 await asyncio.sleep(wait)  # pacing the arrival process
             shot = Shot(len(shots), due, lag_ms=max(0.0, loop.time() - start - due) * 1e3)
             shots.append(shot)
-            tasks.append(asyncio.ensure_future(_one(stub, shot, prompt, max_tokens, timeout_s)))
+            tasks.append(asyncio.ensure_future(_one(stub, shot, prompt(shot.index), max_tokens,
+                                                    timeout_s)))
             due += rng.expovariate(rate)
         await asyncio.gather(*tasks)
     return shots

@@ -6,8 +6,9 @@ sequences, queued prompt tokens), Reserve with leases, Renew and Abort, decode-f
 (`prefill_here_below_tokens`), Prefill with its queue and its handoff report, Decode and
 DecodeMany streams with one token per sequence per simulated engine step, errors with the real
 codes. A prefill worker computes one prompt at a time; a decode worker steps all its live
-sequences together, each step taking `decode_step_ms(live)`. CacheEvents is not served
-(UNIMPLEMENTED: the router leaves such workers out of cache-aware placement).
+sequences together, each step taking `decode_step_ms(live)`. Each worker keeps a prefix cache
+of the prompts it computed or holds and announces it on CacheEvents (pdserve.sim.cache); a
+prefill worker computes only the part of a prompt its cache lacks.
 
 Tokens are the prompt's own, cycled (token k of the output is prompt[k % len(prompt)]), so they
 detokenize and a test can predict them. Everything runs on one asyncio loop (`grpc.aio`).
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from pdserve.sim.cache import SimCache
 from pdserve.sim.profile import SimProfile
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -68,9 +70,11 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
     epoch: int = 0
     stepper: asyncio.Task[None] | None = None
     ledger: Ledger | None = None  # None: worker times are not kept
+    cache: SimCache = field(init=False)
 
     def __post_init__(self) -> None:
         self.free_pages = self.profile.num_pages
+        self.cache = SimCache(self.name, self.profile)
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -106,7 +110,8 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
             ticket=common_pb2.Ticket(request_id=rid, epoch=self.epoch, decode_worker=self.name),
             destination=common_pb2.KVDestination(agent_address=f"sim:{self.name}",
                                                  pool_id=self.name, page_ids=range(pages)),
-            renew_lease_ms=request.renew_lease_ms, prefilling_here=here)
+            renew_lease_ms=request.renew_lease_ms, prefilling_here=here,
+            cached_tokens=self.cache.cached_tokens(request.prompt_token_ids))
 
     async def Renew(self, request: decode_pb2.RenewRequest, context: grpc.aio.ServicerContext
                     ) -> decode_pb2.RenewResponse:
@@ -147,6 +152,12 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
                                       reserved_tickets=len(self.held) - live,
                                       max_model_len=self.profile.max_model_len)
 
+    async def CacheEvents(self, request: common_pb2.CacheEventsRequest,
+                          context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[common_pb2.CacheEventBatch]:
+        async for batch in self.cache.events(request, context):
+            yield batch
+
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         try:
@@ -185,6 +196,7 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
         prompt = list(request.prompt_token_ids) or [request.first_token]
         max_tokens = request.sampling.max_tokens or 16
         held.started = True
+        self.cache.add(prompt)  # its pages are in this pool now
         try:
             if request.local_prefill or held.prefill_here:  # computing since Reserve
                 prefill_ms = self.profile.prefill_ms(len(prompt))
@@ -269,6 +281,16 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
     queued_tokens: int = 0
     computing: asyncio.Lock = field(default_factory=asyncio.Lock)
     ledger: Ledger | None = None  # None: worker times are not kept
+    cache: SimCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = SimCache(self.name, self.profile)
+
+    async def CacheEvents(self, request: common_pb2.CacheEventsRequest,
+                          context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[common_pb2.CacheEventBatch]:
+        async for batch in self.cache.events(request, context):
+            yield batch
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
@@ -283,8 +305,10 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
             self.waiting, self.queued_tokens = self.waiting - 1, self.queued_tokens - n
         try:
             started = time.monotonic()
-            prefill_ms = self.profile.prefill_ms(n)
+            cached = self.cache.cached_tokens(request.token_ids)  # computes only the rest
+            prefill_ms = self.profile.prefill_ms(n - cached)
             await asyncio.sleep(prefill_ms / 1e3)
+            self.cache.add(request.token_ids)
         finally:
             self.computing.release()
         kv_bytes = n * self.profile.kv_bytes_per_token
@@ -298,7 +322,7 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillResponse(first_token=request.token_ids[0],
                                            queue_ms=(started - received) * 1e3,
                                            prefill_ms=prefill_ms, transfer=report,
-                                           worker_id=self.name)
+                                           worker_id=self.name, cached_tokens=cached)
 
     async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.WorkerStats:

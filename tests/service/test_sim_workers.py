@@ -206,3 +206,53 @@ def test_two_routers_share_one_pool(tiny_model_dir) -> None:
             return stats.free_pages == stats.num_pages and stats.reserved_tickets == 0
 
         assert wait_for(lambda: all(idle(d) for d in decode), timeout_s=6)
+
+
+def test_simulated_workers_announce_their_prefix_cache_and_the_router_uses_it(tiny_model_dir):
+    """Each simulated worker announces the pages of the prompts it computed on CacheEvents
+    (a snapshot, then changes, keys as pdserve.common.prefix chains them), computes only what
+    its cache lacks, and a real router places a prompt sharing a prefix where that prefix is."""
+    from pdserve.common.prefix import page_keys, root_key
+    from pdserve.sim.cache import fingerprint
+    from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+
+    first = f"127.{os.getpid() % 200 + 20}.253.1"
+    pport, dport, rport = free_port(), free_port(), free_port()
+    cfg = SimConfig(prefill=4, decode=4, first_address=first, prefill_port=pport,
+                    decode_port=dport)
+    sim = pdserve_argv("sim", "--prefill", "4", "--decode", "4", "--first-address", first,
+                       "--prefill-port", str(pport), "--decode-port", str(dport))
+    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    profile = SimProfile()
+    prefix = [7 + j % 150 for j in range(64)]  # four full pages
+    with running(sim, decode[-1]):
+        with grpc.insecure_channel(prefill[0]) as ch:
+            events = prefill_pb2_grpc.PrefillStub(ch).CacheEvents(
+                common_pb2.CacheEventsRequest(heartbeat_ms=5000), timeout=30)
+            snapshot = next(events)
+            assert snapshot.snapshot and list(snapshot.stored) == []
+            prompt = prefix + [1, 2, 3]
+            reply = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id="p1", token_ids=prompt), timeout=10)
+            change = next(events)
+            root = root_key(fingerprint(profile))
+            assert (change.snapshot, change.sequence) == (False, 1)
+            assert list(change.stored) == page_keys(root, prompt, 16, 4)
+            assert reply.cached_tokens == 0
+            again = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id="p2", token_ids=prefix + [9]), timeout=10)
+            assert again.cached_tokens == 64  # the four pages before its last token
+            assert again.prefill_ms == pytest.approx(profile.prefill_ms(65 - 64))
+            events.cancel()
+        router = pdserve_argv("router", "--model", str(tiny_model_dir), "--port", str(rport),
+                              "--http-port", "-1", "--metrics-port", "-1", "--prefill",
+                              ",".join(prefill), "--decode", ",".join(decode),
+                              "--remote-prefill-min-tokens", "0")
+        with running(router, f"127.0.0.1:{rport}"), \
+                grpc.insecure_channel(f"127.0.0.1:{rport}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            shared = [11 + j % 170 for j in range(96)]
+            _, one = _generate(stub, shared + [4, 5], 3)
+            for k in range(3):
+                _, other = _generate(stub, shared + [6 + k], 3)
+                assert other["prefill"] == one["prefill"], k  # where the prefix already is
