@@ -20,7 +20,7 @@ other cores); a prefill worker's profile also prices its handoffs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.plan.engine_model import EngineParams, EngineSim, Events, Job
@@ -241,10 +241,15 @@ class _Router:
             raise Stop
 
 
+Watch = Callable[[Events, _Router], None]
+
+
 def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile | Profiles,
-             stop: EarlyStop | None = None) -> list[Outcome]:
+             stop: EarlyStop | None = None, watch: Watch | None = None) -> list[Outcome]:
     """Run `requests` through `dep`; every request's outcome, in request order. Raises `Stop`
-    when `stop` is given and more requests than it allows miss an objective."""
+    when `stop` is given and more requests than it allows miss an objective. `watch(events,
+    router)` is called before the run starts (it may schedule events of its own, to read the
+    workers' queues: `plan/signals.py`)."""
     events = Events()
     profiles = Profiles.of(profile)
     span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1e3 if requests else 0.0
@@ -257,6 +262,8 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
                 r.cached_tokens, r.cached_tokens) for r in requests]
     for job, request in zip(jobs, requests):
         events.at(request.arrival_ms, router.arrive, job)
+    if watch is not None:
+        watch(events, router)
     events.run()
     failed = {job.index for job in router.failed}
     out = []

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.config import option, parse_config, require
+from pdserve.plan import signals
 from pdserve.plan.cluster import MODES, Deployment, Profiles
 from pdserve.plan.report import RANK_BY, Ranked, plot, rank, table, tp_note, write_json
 from pdserve.plan.search import Goodput, Slo, deployments, find_goodput, plan, predict
@@ -95,6 +96,13 @@ class PlanConfig:
     validate_rate: float = option(0.0, "--validate: request rate (0: half the lower predicted "
                                        "goodput of the two configurations)")
     validate_requests: int = option(100, "--validate: requests per configuration")
+    signals: bool = option(False, "also print the autoscaling signals (the HPA's metrics) of "
+                                  "the best configuration at 0.25x to 1.5x its goodput, beside "
+                                  "the HPA's thresholds (--json: 'signals')")
+    signals_config: str = option("", "--signals: that configuration instead, by its name in "
+                                     "the table (e.g. '1P+1D chunk 512')")
+    hpa: str = option("", "--signals: the HPA manifest whose thresholds to read (default: "
+                          "deploy/k8s/components/autoscaling/hpa.yaml)")
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "max_workers", "max_prefill_tokens", "max_num_seqs",
@@ -180,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.plot:
         print(f"wrote {cfg.plot}" if plot(Path(cfg.plot), shown, slo) else
               "no plot: matplotlib is not installed")
+    if cfg.signals:
+        try:
+            print("\n" + signals.report(ranked, cfg.signals_config, workload, profiles, slo,
+                                         Path(cfg.hpa) if cfg.hpa else signals.HPA_PATH,
+                                         Path(cfg.json) if cfg.json else None))
+        except (ValueError, OSError) as exc:
+            print(f"pdserve plan --signals: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
