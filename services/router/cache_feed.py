@@ -32,6 +32,12 @@ class Followed:
     open_stream: Callable[[common_pb2.CacheEventsRequest], grpc.Call]
 
 
+# Following a worker's cache events holds a gRPC stream and a thread in the router: with 1,000
+# simulated workers, 1,000 streams starved the router's own server (no request was served at
+# all; docs/benchmarks.md, issue 24). Larger pools are placed without them.
+FOLLOW_MAX_WORKERS = 128
+
+
 class CacheFeeds:
     def __init__(self, index: CacheIndex | None = None, *, retry_s: float = 0.5,
                  heartbeat_ms: float = 1000.0):
@@ -44,13 +50,23 @@ class CacheFeeds:
         self._layout: dict[str, tuple[int, int]] = {}   # worker -> (root key, block size)
         self._layouts: dict[tuple[int, int], int] = {}  # layout -> workers that have it
         self._unsupported: set[str] = set()
+        self._too_many = False  # the pool is past FOLLOW_MAX_WORKERS (warned once)
         # One request's placements (decode, prefill) and speculations all ask for the keys of
         # the same prompt, on the same thread: hashed once per layout, not once per question.
         self._recent = threading.local()
 
     def sync(self, members: Iterable[Followed]) -> None:
-        """Follow these workers (start streams for new ones); stop following the rest."""
+        """Follow these workers (start streams for new ones); stop following the rest. More
+        than FOLLOW_MAX_WORKERS: none (see FOLLOW_MAX_WORKERS)."""
         wanted = {m.address: m for m in members}
+        if len(wanted) > FOLLOW_MAX_WORKERS:
+            if not self._too_many:
+                log.warning("%d workers: cache events are not followed beyond %d (a stream and "
+                            "a thread each); placement keeps this router's own recent "
+                            "placements only", len(wanted), FOLLOW_MAX_WORKERS)
+            self._too_many, wanted = True, {}
+        else:
+            self._too_many = False
         with self._lock:
             if self._stop.is_set():
                 return

@@ -110,3 +110,38 @@ def test_a_suspected_worker_is_not_drawn_until_its_check_answers():
         assert pool._suspects == set()  # answered: no longer suspected, now unhealthy
     finally:
         pool.close()
+
+
+class _EndedStream:
+    def __iter__(self):
+        return iter(())
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_cache_events_are_not_followed_past_the_limit():
+    import threading
+
+    from pdserve.router.cache_feed import FOLLOW_MAX_WORKERS, CacheFeeds, Followed
+
+    opened: set[str] = set()
+    both = threading.Event()
+
+    def opener(address):
+        def open_stream(request):
+            opened.add(address)
+            if len(opened) == 2:
+                both.set()
+            return _EndedStream()  # the feed waits retry_s before asking again
+        return open_stream
+
+    feeds = CacheFeeds(retry_s=60)
+    try:
+        many = [Followed(f"w{i}", opener(f"w{i}")) for i in range(FOLLOW_MAX_WORKERS + 1)]
+        feeds.sync(many)
+        assert feeds._streams == {} and feeds._too_many
+        feeds.sync(many[:2])  # the pool shrank: followed again
+        assert both.wait(10) and opened == {"w0", "w1"} and not feeds._too_many
+    finally:
+        feeds.close()
