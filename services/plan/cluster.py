@@ -108,6 +108,13 @@ class Profiles:
         own = self.prefill if role == "prefill" else self.decode if role == "decode" else None
         return own or self.default
 
+    def contention(self, role: str, output_tokens_per_s: float) -> float:
+        """The share of a `role` worker's cores that processes beside it take
+        (`SimProfile.contention`): its own profile's, where that has `shared_cores`, else the
+        default profile's."""
+        own = self.role(role)
+        return (own if own.shared_cores else self.default).contention(output_tokens_per_s)
+
     def devices(self, dep: Deployment) -> float:
         """Cores or GPUs the deployment takes (workers x TP x each one's devices_per_worker)."""
         if dep.mode == "colocated":
@@ -131,13 +138,15 @@ class EarlyStop:
 
 class _Router:
     def __init__(self, dep: Deployment, profiles: Profiles, events: Events,
-                 stop: EarlyStop | None, contention: float = 0.0):
+                 stop: EarlyStop | None, tokens_per_s: float = 0.0):
         self.dep, self.events, self.stop = dep, events, stop
         self.misses = 0
-        slow = 1.0 - contention  # the share of the cores left to the workers
+        role = "colocated" if dep.mode == "colocated" else "decode"
+        # the share of each kind's cores left to its workers
+        slow = 1.0 - profiles.contention(role, tokens_per_s)
+        prefill_slow = 1.0 - profiles.contention("prefill", tokens_per_s)
         callbacks = {"on_first_token": self._first_token, "on_done": self._done,
                      "on_handed_off": self._handed_off}
-        role = "colocated" if dep.mode == "colocated" else "decode"
         decode_profile, prefill_profile = profiles.role(role), profiles.role("prefill")
         if dep.mode == "colocated":
             decode = EngineParams(role, dep.chunk_size, dep.max_prefill_tokens,
@@ -149,7 +158,7 @@ class _Router:
                                   decode_profile.tp_speedup(dep.tp) * slow)
         prefill = EngineParams("prefill", dep.chunk_size, dep.max_prefill_tokens,
                                dep.max_num_seqs, 0, dep.prefill_age_ms,
-                               prefill_profile.tp_speedup(dep.tp) * slow)
+                               prefill_profile.tp_speedup(dep.tp) * prefill_slow)
         self.decoders = {f"{role}{i}": EngineSim(f"{role}{i}", decode, decode_profile, events,
                                                  **callbacks)
                          for i in range(dep.num_decode)}
@@ -254,7 +263,7 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
     profiles = Profiles.of(profile)
     span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1e3 if requests else 0.0
     tokens_per_s = sum(r.output_tokens for r in requests) / span_s if span_s > 0 else 0.0
-    router = _Router(dep, profiles, events, stop, profiles.default.contention(tokens_per_s))
+    router = _Router(dep, profiles, events, stop, tokens_per_s)
     # the router's and RPCs' time: the decode (or co-located) worker's profile carries it
     overhead = profiles.role("colocated" if dep.mode == "colocated" else "decode"
                              ).request_overhead_ms

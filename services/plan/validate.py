@@ -36,11 +36,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import predict
 from pdserve.plan.workload import Workload, parse_arrivals
+from pdserve.sim.profile import SimProfile
+
+if TYPE_CHECKING:
+    from pdserve.plan.cores import CoreSampler
 
 CONFIGS = (Deployment("colocated", 0, 1), Deployment("disaggregated", 1, 1))
 CALIBRATION_REQUESTS = 8
@@ -49,6 +53,9 @@ CALIBRATION_SEED = 1000  # added to the workload's seed
 # one at a time, the router's fixed background work (health checks, Stats) over a slow run
 # doubled it (1.0 ms per token against ~0.5)
 CPU_CONCURRENCY = 8
+# Requests (at the validated rate, seed + CALIBRATION_SEED) during which where the router,
+# the agents and the client run, and how much, is sampled (`pdserve.plan.cores`)
+SHARED_REQUESTS = 50
 TARGET_ERROR = 0.2
 IDLE_RATE = 1e-3  # req/s: requests 1,000 s apart, each alone
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -61,6 +68,9 @@ class Latencies:
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
     cpu_ms_per_token: float | None = None  # measured: the router's and the client's CPU
+    # measured (`pdserve.plan.cores`): per worker role, [ms per output token that the
+    # router, the KV agents, `pdserve up` and the client spent on that worker's cores, cores]
+    shared: dict[str, list[float]] | None = None
 
 
 # A configuration run for real: (its calibration, its run at the rate)
@@ -76,10 +86,14 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
 def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: Latencies,
               shared_cores: float = 0.0) -> tuple[Profiles, dict[str, float]]:
     """`profiles` with the serving overheads that make the calibration requests, one at a
-    time, take what they measured (`alone`); and those overheads. With `shared_cores`, the
-    router's and the client's CPU per token (`alone.cpu_ms_per_token`) is taken from the
-    cores the workers run on (`SimProfile.contention`): they all share this machine."""
-    if shared_cores and alone.cpu_ms_per_token is not None:
+    time, take what they measured (`alone`); and those overheads. The CPU that the processes
+    beside the workers (router, KV agents, client) spend per output token is taken from the
+    workers' cores (`SimProfile.contention`): with `alone.shared`, from each worker's own
+    cores as much as was measured on them; else, with `shared_cores`, the router's and the
+    client's (`alone.cpu_ms_per_token`) spread over all of them."""
+    if alone.shared:
+        profiles = _charge_shared(dep, profiles, alone.shared)
+    elif shared_cores and alone.cpu_ms_per_token is not None:
         profiles = replace(profiles, default=replace(
             profiles.default, shared_cpu_ms_per_token=alone.cpu_ms_per_token,
             shared_cores=shared_cores))
@@ -102,9 +116,24 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
                   - (second.ttft_p50_ms or 0.0)) if alone.ttft_p50_ms \
         else base.request_overhead_ms
     found = {"step_overhead_ms": step, "request_overhead_ms": request}
-    if shared_cores and alone.cpu_ms_per_token is not None:
+    if alone.shared:
+        for role, (ms, cores) in alone.shared.items():
+            found[f"{role}_shared_cpu_ms_per_token"], found[f"{role}_shared_cores"] = ms, cores
+    elif shared_cores and alone.cpu_ms_per_token is not None:
         found.update(shared_cpu_ms_per_token=alone.cpu_ms_per_token, shared_cores=shared_cores)
     return with_overheads(step, request), found
+
+
+def _charge_shared(dep: Deployment, profiles: Profiles,
+                   shared: dict[str, list[float]]) -> Profiles:
+    """Each worker role's profile charged the CPU measured beside it on its own cores."""
+    def charged(role: str) -> SimProfile:
+        ms, cores = shared.get(role, (0.0, 0.0))
+        return replace(profiles.role(role), shared_cpu_ms_per_token=ms, shared_cores=cores)
+
+    if dep.mode == "colocated":
+        return replace(profiles, default=charged("colocated"))
+    return replace(profiles, prefill=charged("prefill"), decode=charged("decode"))
 
 
 def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profiles, rate: float,
@@ -150,6 +179,10 @@ def table(rows: Sequence[dict[str, object]]) -> str:
         cal = cast(dict[str, float], row["calibration"])
         shared = f", router + client CPU {cal['shared_cpu_ms_per_token']:.2f} ms per token " \
             f"on {cal['shared_cores']:g} shared cores" if "shared_cores" in cal else ""
+        shared += "".join(
+            f", beside the {role} worker {cal[f'{role}_shared_cpu_ms_per_token']:.2f} ms per "
+            f"token on its {cal[f'{role}_shared_cores']:g} core(s)"
+            for role in ("colocated", "prefill", "decode") if f"{role}_shared_cores" in cal)
         lines.append(f"{row['config']}: serving overheads from {cal['requests']:.0f} requests "
                      f"alone: request {cal['request_overhead_ms']:.2f} ms, step "
                      f"{cal['step_overhead_ms']:.2f} ms{shared}")
@@ -172,7 +205,7 @@ class StackRunner:
 
     def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
         name = dep.name.replace(" ", "-")
-        with self._stack(dep, name) as target:
+        with self._stack(dep, name) as (target, stack_pid):
             alone = self._bench(target, f"{name}-calibration", [
                 "--concurrency", "1", "--num-requests", str(CALIBRATION_REQUESTS),
                 "--seed", str(self.workload.seed + CALIBRATION_SEED)])
@@ -180,28 +213,45 @@ class StackRunner:
                 "--concurrency", str(CPU_CONCURRENCY), "--num-requests",
                 str(2 * CPU_CONCURRENCY), "--seed", str(self.workload.seed + CALIBRATION_SEED),
                 "--server-cpu", target])
-            alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token)
+            # where the processes beside the workers run depends on how busy each worker's
+            # core is (the scheduler puts them on whichever core is free): sampled at the rate
+            shared = self._bench(target, f"{name}-cores", [
+                "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
+                "--num-requests", str(min(self.count, SHARED_REQUESTS)),
+                "--seed", str(self.workload.seed + CALIBRATION_SEED)], sample=stack_pid)
+            alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token, shared=shared.shared)
             loaded = self._bench(target, name, [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
                 "--num-requests", str(self.count), "--seed", str(self.workload.seed)])
         return alone, loaded
 
-    def _bench(self, target: str, name: str, flags: list[str]) -> Latencies:
+    def _bench(self, target: str, name: str, flags: list[str],
+               sample: int | None = None) -> Latencies:
+        """One `pdserve bench serve` run; with `sample` (the stack's `pdserve up` pid), where
+        the stack's processes and the client ran meanwhile (`Latencies.shared`)."""
+        from pdserve.plan.cores import CoreSampler
+
         out = self.log_dir / f"bench-{name}.json"
         cmd = [*PDSERVE, "bench", "serve", "--target", target, "--model", self.model,
                "--workload", self.workload.spec, "--json", str(out), *flags]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
-            raise RuntimeError(f"bench serve ({name}) failed:\n{done.stdout[-2000:]}\n"
-                               f"{done.stderr[-2000:]}")
+        with (self.log_dir / f"bench-{name}.log").open("w+") as log, \
+                CoreSampler([sample] if sample else []) as sampler:
+            client = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+            if sample:
+                sampler.add(client.pid)
+            code = client.wait(timeout=3600)
+            if code != 0:
+                log.seek(0)
+                raise RuntimeError(f"bench serve ({name}) failed:\n{log.read()[-4000:]}")
         summary = json.loads(out.read_text())["runs"][0]["summary"]
         ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
         cpu = [summary.get(k) for k in ("server_cpu_ms_per_token", "client_cpu_ms_per_token")]
+        shared = _shared(sampler, client.pid, summary) if sample else None
         return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"],
-                         sum(c for c in cpu if c is not None) if any(cpu) else None)
+                         sum(c for c in cpu if c is not None) if any(cpu) else None, shared)
 
     @contextmanager
-    def _stack(self, dep: Deployment, name: str) -> Iterator[str]:
+    def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int]]:
         from pdserve.bench.loadgen.handoff import free_port_block, stop_group
 
         base = free_port_block(50)
@@ -221,9 +271,27 @@ class StackRunner:
                                     start_new_session=True)
         try:
             _wait_ready(f"http://127.0.0.1:{base}/health", proc, self.ready_s, log)
-            yield f"127.0.0.1:{base + 1}"
+            yield f"127.0.0.1:{base + 1}", proc.pid
         finally:
             stop_group(proc)
+
+
+def _shared(sampler: CoreSampler, client: int, summary: dict[str, object]
+            ) -> dict[str, list[float]]:
+    """Per worker role, the CPU per output token the other processes spent on its cores. The
+    client's own CPU during the run (its start-up excluded) is the bench's
+    `client_cpu_ms_per_token`, split over the cores as the sampler saw it run."""
+    from pdserve.plan.cores import shared_by_worker
+
+    tokens = int(cast(int, summary.get("output_tokens") or 0))
+    cpu_s = {pid: dict(per_core) for pid, per_core in sampler.cpu_s.items()}
+    seen = sum(cpu_s.get(client, {}).values())
+    per_token = cast(float | None, summary.get("client_cpu_ms_per_token"))
+    if seen > 0 and per_token is not None:
+        scale = per_token * tokens / 1e3 / seen
+        cpu_s[client] = {core: s * scale for core, s in cpu_s[client].items()}
+    found = shared_by_worker(cpu_s, sampler.roles, sampler.cores, tokens)
+    return {role: [ms, cores] for role, (ms, cores) in found.items()}
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:

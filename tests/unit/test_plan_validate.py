@@ -36,7 +36,7 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
         assert row["predicted"]["ttft_p50_ms"] == want.ttft_p50_ms  # type: ignore[index]
         assert row["measured"] == {"ttft_p50_ms": 40.0, "tpot_p50_ms": 6.0,
                                    "ttft_p99_ms": None, "tpot_p99_ms": None,
-                                   "cpu_ms_per_token": None}
+                                   "cpu_ms_per_token": None, "shared": None}
         assert row["error"]["ttft_p50"] == pytest.approx(  # type: ignore[index]
             want.ttft_p50_ms / 40.0 - 1)
     # alone at 2 req/s: TTFT 32 ms co-located, 33.3 ms through the handoff; TPOT 6 ms
@@ -129,3 +129,39 @@ def test_the_routers_and_clients_cpu_slows_the_workers_on_a_shared_machine():
     assert shared.tpot_p50_ms == pytest.approx(alone.tpot_p50_ms / (1 - share))
     assert SimProfile().contention(1e6) == 0.0  # not modelled without shared_cores
     assert SimProfile(shared_cores=1, shared_cpu_ms_per_token=1).contention(1e6) == 0.9
+
+
+def test_cpu_measured_beside_each_worker_slows_that_worker_only():
+    """1P+1D pinned one core each: what the router, agents and client took on the prefill
+    worker's core slows its prefills, what they took on the decode worker's its steps."""
+    w = Workload("fixed:300,10", arrivals="constant", num_requests=200)
+    dep = Deployment("disaggregated", 1, 1)
+    profiles = Profiles(PROFILE, PROFILE, PROFILE)
+    measured = Latencies(None, None, shared={"prefill": [2.0, 1.0], "decode": [0.5, 1.0]})
+    calibrated, found = validate.calibrate(dep, w, profiles, measured, 2.0)
+    assert found["prefill_shared_cpu_ms_per_token"] == 2.0
+    assert found["decode_shared_cores"] == 1.0 and "shared_cores" not in found
+    # 100 tokens per s: 200 ms of CPU per s on the prefill core, 50 on the decode core
+    assert calibrated.contention("prefill", 100.0) == pytest.approx(0.2)
+    assert calibrated.contention("decode", 100.0) == pytest.approx(0.05)
+    assert calibrated.default.shared_cores == 0.0
+    base = predict(dep, w, profiles, 10.0)
+    slowed = predict(dep, w, calibrated, 10.0)
+    assert slowed.tpot_p50_ms == pytest.approx(base.tpot_p50_ms / 0.95, rel=2e-3)  # 100.5/s
+    # the prompt alone (32 ms) is computed 1 / 0.8 times slower; the handoff is not
+    assert slowed.ttft_p50_ms - base.ttft_p50_ms == pytest.approx(32.0 / 0.8 - 32.0, rel=0.05)
+    assert "beside the prefill worker 2.00 ms per token on its 1 core(s)" in validate.table(
+        [{"config": "1P+1D", "rate": 10.0, "predicted": {"ttft_p50_ms": 1.0,
+                                                          "tpot_p50_ms": 1.0},
+          "measured": {"ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0},
+          "error": {"ttft_p50": 0.0, "tpot_p50": 0.0}, "within_target": True,
+          "calibration": {"requests": 8, **found}}])
+
+
+def test_a_kind_without_its_own_shared_cpu_keeps_the_default_profiles():
+    shared = SimProfile(shared_cpu_ms_per_token=1.0, shared_cores=2.0)
+    profiles = Profiles(shared, PROFILE, None)
+    assert profiles.contention("prefill", 100.0) == pytest.approx(0.05)
+    assert profiles.contention("decode", 100.0) == pytest.approx(0.05)
+    assert Profiles(PROFILE, shared).contention("prefill", 100.0) == pytest.approx(0.05)
+    assert Profiles(PROFILE, shared).contention("decode", 100.0) == 0.0
