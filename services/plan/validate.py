@@ -71,6 +71,7 @@ class Latencies:
     # measured (`pdserve.plan.cores`): per worker role, [ms per output token that the
     # router, the KV agents, `pdserve up` and the client spent on that worker's cores, cores]
     shared: dict[str, list[float]] | None = None
+    prefill_p50_ms: float | None = None  # the prefill worker's own time (server-side)
 
 
 # A configuration run for real: (its calibration, its run at the rate)
@@ -99,6 +100,9 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
             shared_cores=shared_cores))
     requests = replace(workload, seed=workload.seed + CALIBRATION_SEED)
     role = "colocated" if dep.mode == "colocated" else "decode"
+    prefill_step = None
+    if dep.mode != "colocated" and alone.prefill_p50_ms:
+        profiles, prefill_step = _prefill_overhead(dep, requests, profiles, alone.prefill_p50_ms)
 
     def with_overheads(step_ms: float, request_ms: float) -> Profiles:
         own = replace(profiles.role(role), step_overhead_ms=step_ms,
@@ -116,12 +120,32 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
                   - (second.ttft_p50_ms or 0.0)) if alone.ttft_p50_ms \
         else base.request_overhead_ms
     found = {"step_overhead_ms": step, "request_overhead_ms": request}
+    if prefill_step is not None:
+        found["prefill_step_overhead_ms"] = prefill_step
     if alone.shared:
         for role, (ms, cores) in alone.shared.items():
             found[f"{role}_shared_cpu_ms_per_token"], found[f"{role}_shared_cores"] = ms, cores
     elif shared_cores and alone.cpu_ms_per_token is not None:
         found.update(shared_cpu_ms_per_token=alone.cpu_ms_per_token, shared_cores=shared_cores)
     return with_overheads(step, request), found
+
+
+def _prefill_overhead(dep: Deployment, requests: Workload, profiles: Profiles,
+                      measured_ms: float) -> tuple[Profiles, float]:
+    """The prefill workers' `step_overhead_ms`: what their own time per prompt alone (the
+    stack's server-side `prefill_ms` p50) took beyond the profile's steps, per step."""
+    own = profiles.role("prefill")
+    times = []
+    for r in requests.requests(IDLE_RATE, count=CALIBRATION_REQUESTS):
+        left, steps, ms = r.prompt_tokens - r.cached_tokens, 0, 0.0
+        while left > 0:
+            n = min(left, dep.chunk_size)
+            ms += own.step_ms(0, 0, [(r.prompt_tokens - left, n)]) - own.step_overhead_ms
+            left, steps = left - n, steps + 1
+        times.append((ms, max(1, steps)))
+    ms, steps = sorted(times)[len(times) // 2]
+    step = max(0.0, (measured_ms - ms) / steps)
+    return replace(profiles, prefill=replace(own, step_overhead_ms=step)), step
 
 
 def _charge_shared(dep: Deployment, profiles: Profiles,
@@ -179,13 +203,15 @@ def table(rows: Sequence[dict[str, object]]) -> str:
         cal = cast(dict[str, float], row["calibration"])
         shared = f", router + client CPU {cal['shared_cpu_ms_per_token']:.2f} ms per token " \
             f"on {cal['shared_cores']:g} shared cores" if "shared_cores" in cal else ""
+        prefill = f", prefill step {cal['prefill_step_overhead_ms']:.2f} ms" \
+            if "prefill_step_overhead_ms" in cal else ""
         shared += "".join(
             f", beside the {role} worker {cal[f'{role}_shared_cpu_ms_per_token']:.2f} ms per "
             f"token on its {cal[f'{role}_shared_cores']:g} core(s)"
             for role in ("colocated", "prefill", "decode") if f"{role}_shared_cores" in cal)
         lines.append(f"{row['config']}: serving overheads from {cal['requests']:.0f} requests "
                      f"alone: request {cal['request_overhead_ms']:.2f} ms, step "
-                     f"{cal['step_overhead_ms']:.2f} ms{shared}")
+                     f"{cal['step_overhead_ms']:.2f} ms{prefill}{shared}")
     return "\n".join(lines)
 
 
@@ -247,8 +273,10 @@ class StackRunner:
         ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
         cpu = [summary.get(k) for k in ("server_cpu_ms_per_token", "client_cpu_ms_per_token")]
         shared = _shared(sampler, client.pid, summary) if sample else None
+        prefill = summary.get("components_ms", {}).get("prefill_ms", {}).get("p50")
         return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"],
-                         sum(c for c in cpu if c is not None) if any(cpu) else None, shared)
+                         sum(c for c in cpu if c is not None) if any(cpu) else None, shared,
+                         prefill or None)
 
     @contextmanager
     def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int]]:

@@ -5,6 +5,7 @@ same requests predicted for each configuration, the relative errors, the table a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from pdserve.plan import command, validate
@@ -36,7 +37,8 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
         assert row["predicted"]["ttft_p50_ms"] == want.ttft_p50_ms  # type: ignore[index]
         assert row["measured"] == {"ttft_p50_ms": 40.0, "tpot_p50_ms": 6.0,
                                    "ttft_p99_ms": None, "tpot_p99_ms": None,
-                                   "cpu_ms_per_token": None, "shared": None}
+                                   "cpu_ms_per_token": None, "shared": None,
+                                   "prefill_p50_ms": None}
         assert row["error"]["ttft_p50"] == pytest.approx(  # type: ignore[index]
             want.ttft_p50_ms / 40.0 - 1)
     # alone at 2 req/s: TTFT 32 ms co-located, 33.3 ms through the handoff; TPOT 6 ms
@@ -165,3 +167,23 @@ def test_a_kind_without_its_own_shared_cpu_keeps_the_default_profiles():
     assert profiles.contention("decode", 100.0) == pytest.approx(0.05)
     assert Profiles(PROFILE, shared).contention("prefill", 100.0) == pytest.approx(0.05)
     assert Profiles(PROFILE, shared).contention("decode", 100.0) == 0.0
+
+
+def test_the_prefill_workers_own_time_alone_beyond_the_profile_is_their_step_overhead():
+    w = Workload("fixed:300,10", num_requests=1000)
+    dep = Deployment("disaggregated", 1, 1, chunk_size=128)  # 300 tokens: 3 steps
+    profiles = Profiles(PROFILE)
+    calibrated, found = validate.calibrate(dep, w, profiles,
+                                           Latencies(45.0, 7.0, prefill_p50_ms=41.0))
+    # the profile: 3 steps of 2 ms + 0.1 ms per token = 36 ms; 5 ms more: 5 / 3 per step
+    assert found["prefill_step_overhead_ms"] == pytest.approx(5.0 / 3)
+    assert calibrated.role("prefill").step_overhead_ms == pytest.approx(5.0 / 3)
+    assert calibrated.role("decode").step_overhead_ms == pytest.approx(found["step_overhead_ms"])
+    alone = predict(dep, replace(w, seed=w.seed + validate.CALIBRATION_SEED), calibrated,
+                    validate.IDLE_RATE, count=validate.CALIBRATION_REQUESTS)
+    assert alone.ttft_p50_ms == pytest.approx(45.0)  # the rest is the request overhead
+    assert "prefill step 1.67 ms" in validate.table([{
+        "config": "1P+1D", "rate": 1.0, "predicted": {"ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0},
+        "measured": {"ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0},
+        "error": {"ttft_p50": 0.0, "tpot_p50": 0.0}, "within_target": True,
+        "calibration": {"requests": 8, **found}}])
