@@ -1,15 +1,19 @@
 """`pdserve plan --validate`: the plan's predictions set against real stacks on this machine.
 
 For each configuration (co-located x1 and 1 prefill + 1 decode, the two this machine can
-run), `pdserve up` runs it for real and `pdserve bench serve` sends it two runs:
+run), `pdserve up` runs it for real and `pdserve bench serve` sends it these runs:
 
 1. calibration: `CALIBRATION_REQUESTS` requests one at a time (seed + 1000). What a serving
    stack adds to the engine's own times at no load (router, RPCs, streaming, the worker's loop)
    is what they took beyond the simulator's prediction for the same requests alone: the TPOT
-   gap becomes the decode (or co-located) worker's `step_overhead_ms`, the TTFT gap left after
-   it the `request_overhead_ms`. Then a closed-loop burst (`CPU_CONCURRENCY` in flight) gives
-   the router's and the client's CPU per output token, which on this machine comes out of the
-   workers' cores (`SimProfile.contention`);
+   gap becomes the decode (or co-located) worker's `step_overhead_ms`, the prefill worker's
+   own time per prompt (server-side `prefill_ms`) beyond the profile its `step_overhead_ms`,
+   the TTFT gap left after them the `request_overhead_ms`. Then a closed-loop burst
+   (`CPU_CONCURRENCY` in flight) gives the router's and the client's CPU per output token;
+   and `SHARED_REQUESTS` at the validated rate, sampled (`pdserve.plan.cores`), how much CPU
+   the processes beside the workers (router, agents, client) took from each worker's cores
+   per output token: on this machine that comes out of the workers' cores, and from which
+   worker's depends on the load (`SimProfile.contention`, per kind of worker);
 2. the measured run: `count` requests of the workload at `rate` (same spec, seed, rate and
    count as the prediction, so the same lengths and arrival times), predicted with those
    overheads.
