@@ -68,7 +68,9 @@ class RouterConfig(ServerConfig):
                                                  "prefilled by the decode worker itself (no "
                                                  "prefill call, no KV handoff; measured in "
                                                  "docs/benchmarks.md); 0: never")
-    max_streams: int = option(256, "Generate streams served at once (server threads), per API")
+    max_streams: int = option(256, "Generate streams served at once (server threads), per API; "
+                                   "over it a gRPC Generate is refused at once with "
+                                   "RESOURCE_EXHAUSTED")
     tls_client_auth: bool = option(False, "with --tls-ca, refuse clients of the public API "
                                           "without a certificate from that CA")
     api_key_file: str = option("", "file of accepted API keys, one a line: every call but "

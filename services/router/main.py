@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                           decode_start_timeout_s=cfg.decode_start_timeout_s,
                           renew_lease_s=cfg.lease_ms / 1e3, cache=feeds, weights=cfg.weights,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
-    servicer = RouterServicer(lifecycle)
+    servicer = RouterServicer(lifecycle, cfg.max_streams)
     lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
     if feeds is not None:
         lifecycle.metrics.watch_cache_index(feeds.index.sizes)

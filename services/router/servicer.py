@@ -4,9 +4,11 @@ interceptor). The only place the router's public protobuf is read or written."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
+from pdserve.common.errors import ResourceExhausted
 from pdserve.router.api import ChatMessage, Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.cancel import CallScope
 from pdserve.router.lifecycle import Lifecycle
@@ -51,16 +53,32 @@ def event_to_pb(event: StreamEvent) -> router_pb2.GenerateResponse:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Generate: hand the request and its cancellation to the lifecycle, relay its stream."""
+    """Generate: hand the request and its cancellation to the lifecycle, relay its stream.
 
-    def __init__(self, lifecycle: Lifecycle):
+    At most `max_streams` at once (0: no limit): one more is refused at once with
+    RESOURCE_EXHAUSTED instead of waiting for a server thread. An overloaded router then keeps
+    serving what it can at its usual latency and tells the rest to go elsewhere, where an
+    unbounded queue made every request wait until its deadline (docs/benchmarks.md, issue 24).
+    The server has a few threads beyond the limit for these answers and health checks."""
+
+    def __init__(self, lifecycle: Lifecycle, max_streams: int = 0):
         self._lifecycle = lifecycle
+        self._max_streams = max_streams
+        self._slots = threading.BoundedSemaphore(max_streams) if max_streams else None
 
     def Generate(self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[router_pb2.GenerateResponse]:
-        scope = CallScope()
-        if not context.add_callback(scope.cancel):  # the call already ended
-            scope.cancel()
-        for event in self._lifecycle.generate(input_from_pb(request), scope):
-            assert not isinstance(event, Parked)  # only with parking=True
-            yield event_to_pb(event)
+        if self._slots is not None and not self._slots.acquire(blocking=False):
+            raise ResourceExhausted(f"the router is serving its limit of {self._max_streams} "
+                                    "Generate streams (--max-streams); retry shortly or on "
+                                    "another replica")
+        try:
+            scope = CallScope()
+            if not context.add_callback(scope.cancel):  # the call already ended
+                scope.cancel()
+            for event in self._lifecycle.generate(input_from_pb(request), scope):
+                assert not isinstance(event, Parked)  # only with parking=True
+                yield event_to_pb(event)
+        finally:
+            if self._slots is not None:
+                self._slots.release()

@@ -256,3 +256,45 @@ def test_simulated_workers_announce_their_prefix_cache_and_the_router_uses_it(ti
             for k in range(3):
                 _, other = _generate(stub, shared + [6 + k], 3)
                 assert other["prefill"] == one["prefill"], k  # where the prefix already is
+
+
+def test_a_router_at_its_stream_limit_refuses_the_next_at_once(tiny_model_dir) -> None:
+    """--max-streams bounds the Generate streams a router serves: one more is refused at once
+    (RESOURCE_EXHAUSTED, naming the flag) instead of queueing until its deadline; health still
+    answers; a freed slot serves again."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    first = f"127.{os.getpid() % 200 + 20}.254.1"
+    pport, dport, rport = free_port(), free_port(), free_port()
+    sim = pdserve_argv("sim", "--prefill", "1", "--decode", "1", "--first-address", first,
+                       "--prefill-port", str(pport), "--decode-port", str(dport))
+    router = pdserve_argv("router", "--model", str(tiny_model_dir), "--port", str(rport),
+                          "--http-port", "-1", "--metrics-port", "-1", "--prefill",
+                          f"{first}:{pport}", "--decode", f"{first}:{dport}",
+                          "--remote-prefill-min-tokens", "0", "--max-streams", "2")
+    long = router_pb2.GenerateRequest(token_ids=[5, 6, 7, 8], max_tokens=3000, temperature=0.0,
+                                      ignore_eos=True)
+    with running(sim, f"{first}:{dport}"), running(router, f"127.0.0.1:{rport}"), \
+            grpc.insecure_channel(f"127.0.0.1:{rport}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        busy = [stub.Generate(long, timeout=60) for _ in range(2)]
+        for call in busy:
+            assert next(call).HasField("delta")  # both are streaming
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Generate(long, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit of 2 Generate streams (--max-streams)" in refused.value.details()
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        busy[0].cancel()
+
+        def served() -> bool:
+            try:
+                return _generate(stub, [5, 6, 7, 8], 3)[0] == [5, 6, 7]
+            except grpc.RpcError as exc:  # the cancelled stream's slot is not back yet
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                return False
+
+        assert wait_for(served, timeout_s=10)
+        busy[1].cancel()
