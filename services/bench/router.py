@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.kv_rig import free_port
 from pdserve.bench.router_load import Shot, drive, prompt_ids
 from pdserve.bench.router_report import Window, cpu_seconds, machine, summarize
 from pdserve.processes import Proc, Stack, _signal_group
@@ -100,14 +101,6 @@ def _split(total: int, share: float) -> tuple[int, int, int, int]:
     return prefill - gone_p, decode - gone_d, gone_p, gone_d
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _healthy(metrics_url: str) -> float:
     """Workers the router counts healthy (both roles), from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -159,7 +152,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     router_cpus, harness_cpus = _cores(args.router_cpus)
     os.sched_setaffinity(0, harness_cpus)
     keep_p, keep_d, gone_p, gone_d = _split(args.workers, args.vanish)
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     procs = [_sim("sim-stable", keep_p, keep_d, FIRST_ADDRESS, ports, args.profile,
                   work / "stable.json", harness_cpus)]
     if gone_p + gone_d:
@@ -169,7 +162,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         _addresses(VANISH_ADDRESS, gone_p, ports[0])
     decode = _addresses(FIRST_ADDRESS, keep_d, ports[1]) + \
         _addresses(VANISH_ADDRESS, gone_d, ports[1])
-    rport, mport = _free_port(), _free_port()
+    rport, mport = free_port(), free_port()
     router = Proc("router", f"127.0.0.1:{rport}",
                   [sys.executable, "-m", "pdserve.router.main", "--model", model,
                    "--prefill", ",".join(prefill), "--decode", ",".join(decode),

@@ -24,7 +24,6 @@ at which SLO attainment falls below its target.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 from pdserve.plan.cluster import Deployment, Profiles, _Router, simulate
 from pdserve.plan.engine_model import EngineSim, Events
 from pdserve.plan.report import Ranked
-from pdserve.plan.search import Slo, summarize
+from pdserve.plan.search import Slo, percentile, summarize
 from pdserve.plan.workload import Workload
 
 HPA_PATH = Path(__file__).resolve().parents[2] / "deploy/k8s/components/autoscaling/hpa.yaml"
@@ -91,14 +90,7 @@ def read_thresholds(path: Path = HPA_PATH) -> list[Threshold]:
 
 
 def _p90(values: Sequence[float]) -> float:
-    """Linear between ranks, as `pdserve bench serve` computes percentiles."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = 0.9 * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return percentile(values, 90) or 0.0
 
 
 class _Sampler:
