@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -176,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the table (and targets), optionally write JSON."""
     args = parse_args(argv)
     if args.netns and not args.in_netns:
-        return _in_namespaces(list(sys.argv[1:] if argv is None else argv))
+        return netns.rerun_inside("pdserve bench kv", "pdserve.bench.kv",
+                                  list(sys.argv[1:] if argv is None else argv))
     placement = Placement()
     if args.in_netns:
-        *fields, socket_dir = args.in_netns.split(",")
-        placement = NetnsPlacement(netns.Link(*fields), socket_dir)
+        placement = NetnsPlacement(*netns.from_spec(args.in_netns))
     results = run(args, placement)
     print(f"host: {os.cpu_count()} CPUs; {placement.note}; medians of {args.reps} reps; "
           "GB/s = 1e9 bytes/s")
@@ -189,20 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as out:
             json.dump({"results": [dataclasses.asdict(r) for r in results]}, out, indent=2)
     return 0
-
-
-def _in_namespaces(argv: list[str]) -> int:
-    """Make the two namespaces, run this benchmark again inside namespace a, remove them."""
-    why = netns.unavailable()
-    if why:
-        print(f"pdserve bench kv: {why}", file=sys.stderr)
-        return 2
-    with netns.two_hosts() as link, tempfile.TemporaryDirectory(prefix="pdkv-") as sockets:
-        spec = ",".join([link.ns_a, link.ns_b, link.dev_a, link.dev_b, link.ip_a, link.ip_b,
-                         sockets])
-        inner = netns.in_ns(link.ns_a, sys.executable, "-m", "pdserve.bench.kv", *argv,
-                            "--in-netns", spec)
-        return subprocess.run(inner).returncode
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +30,9 @@ class Link:
     dev_b: str
     ip_a: str
     ip_b: str
+
+    def spec(self) -> str:
+        return ",".join([self.ns_a, self.ns_b, self.dev_a, self.dev_b, self.ip_a, self.ip_b])
 
 
 def in_ns(ns: str, *argv: str) -> list[str]:
@@ -95,6 +100,25 @@ def two_hosts() -> Iterator[Link]:
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def rerun_inside(prog: str, module: str, argv: list[str]) -> int:
+    """Make the two namespaces and a scratch directory, run `python -m module argv --in-netns
+    SPEC` inside namespace a (SPEC: `Link.spec` and the directory), remove them all after."""
+    why = unavailable()
+    if why:
+        print(f"{prog}: {why}", file=sys.stderr)
+        return 2
+    with two_hosts() as link, tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as scratch:
+        inner = in_ns(link.ns_a, sys.executable, "-m", module, *argv,
+                      "--in-netns", f"{link.spec()},{scratch}")
+        return subprocess.run(inner).returncode
+
+
+def from_spec(spec: str) -> tuple[Link, str]:
+    """The link and scratch directory `rerun_inside` passed in `--in-netns`."""
+    *fields, scratch = spec.split(",")
+    return Link(*fields), scratch
 
 
 def wait_operstate_up(ns: str, dev: str, timeout_s: float = 20.0) -> bool:

@@ -10,9 +10,14 @@ by chunk while prefill still runs. Reports, from each request's Timing: `kv_tran
 ready on prefill -> every page resident on decode, through the whole request path and every
 process on it) and
 `kv_transfer_total_ms` (the time spent moving pages, all parts summed), p50 and p90, and the
-targets: a one-page handoff's kv_transfer_ms p50 <= 1 ms on one host; with long prompts, the
-exposed handoff <= 20% of the whole transfer. `--target HOST:PORT` measures a running router
-instead (one path: whatever it uses).
+targets: a one-page handoff's kv_transfer_ms p50 <= 1 ms; with long prompts, the exposed
+handoff <= 20% of the whole transfer. `--netns` (root): the ucx and tcp stacks across two hosts,
+network namespaces joined by a veth (handoff_netns.py). `--target HOST:PORT` measures a running
+router instead (one path: whatever it uses).
+
+Every stack started here prefills every prompt on the prefill side (router
+`--remote-prefill-min-tokens 0`): served traffic computes a short uncached prompt on the decode
+worker, with no handoff to measure.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
+from pdserve.bench import netns
+from pdserve.bench.loadgen.handoff_netns import TRANSPORTS, netns_stack
 from pdserve.common.health import wait_serving
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -100,7 +107,8 @@ def stack(path: str, model: str, chunk_size: int, log_dir: str) -> Iterator[str]
             "--agent-port", str(base + 30), "--colocated-port", str(base + 35),
             "--http-port", "-1", "--metrics-port", "-1", "--log-dir", os.path.join(log_dir, path),
             *PATHS[path]]
-    env = {**os.environ, "PDSERVE_PREFILL_CHUNK_SIZE": str(chunk_size)}
+    env = {**os.environ, "PDSERVE_PREFILL_CHUNK_SIZE": str(chunk_size),
+           "PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS": "0"}  # see the module docstring
     output = os.path.join(log_dir, f"{path}.out")
     with open(output, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -145,8 +153,13 @@ def one_request(stub: router_pb2_grpc.RouterStub, token_ids: list[int]) -> Sampl
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve bench handoff", description=__doc__)
     p.add_argument("--model", default="small", help="built-in size or a model directory")
-    p.add_argument("--paths", default="shm,agent,ucx,tcp,nopipe",
-                   help=f"stacks to start, comma-separated: {', '.join(PATHS)}")
+    p.add_argument("--paths", default="",
+                   help=f"stacks to start, comma-separated: {', '.join(PATHS)} (default: all; "
+                   f"with --netns: {', '.join(TRANSPORTS)})")
+    p.add_argument("--netns", action="store_true",
+                   help="the prefill and decode sides on two hosts: network namespaces joined "
+                   "by a veth (root; removed at the end)")
+    p.add_argument("--in-netns", help=argparse.SUPPRESS)  # the run inside namespace a
     p.add_argument("--target", default="", help="measure this running router instead")
     p.add_argument("--short-tokens", type=int, default=8, help="the one-page prompt")
     p.add_argument("--short-reps", type=int, default=40)
@@ -156,8 +169,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="requests per stack not counted")
     p.add_argument("--json", help="also write every sample to this file")
     args = p.parse_args(argv)
-    args.paths = [x for x in args.paths.split(",") if x]
-    bad = [x for x in args.paths if x not in PATHS]
+    paths = args.paths or ",".join(TRANSPORTS if args.netns else PATHS)
+    args.paths = [x for x in paths.split(",") if x]
+    bad = [x for x in args.paths if x not in (TRANSPORTS if args.netns else PATHS)]
+    if args.netns and args.target:
+        p.error("--netns starts its own stacks: not with --target")
     if bad or args.short_reps <= 0 or args.long_reps < 0 or args.short_tokens <= 0:
         p.error(f"bad --paths {bad} / --short-reps / --long-reps / --short-tokens")
     return args
@@ -171,6 +187,11 @@ def run(args: argparse.Namespace) -> list[Result]:
     with ExitStack() as exits:
         if args.target:
             routers = {"target": args.target}
+        elif args.in_netns:
+            link, log_dir = netns.from_spec(args.in_netns)
+            routers = {p: exits.enter_context(netns_stack(p, i, args.model, args.chunk_size,
+                                                          log_dir, link))
+                       for i, p in enumerate(args.paths)}
         else:
             log_dir = exits.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-bench-"))
             routers = {p: exits.enter_context(stack(p, args.model, args.chunk_size, log_dir))
@@ -207,7 +228,11 @@ def report(results: list[Result]) -> str:
                  "reports it; total: time spent moving pages (all parts); exposed = "
                  "kv_transfer / total (medians)")
     for r in results:
-        if r.samples[0].kv_pages == 1:
+        if not r.samples[0].kv_pages:
+            lines.append(f"{r.path}: no handoff to measure at {r.prompt_tokens} tokens: the "
+                         "router had the decode worker compute these prompts (set its "
+                         "--remote-prefill-min-tokens to 0)")
+        elif r.samples[0].kv_pages == 1:
             got = r.median("kv_transfer_ms")
             lines.append(f"target one-page kv_transfer_ms p50 <= {ONE_PAGE_TARGET_MS:g} ms "
                          f"({r.path}, {r.samples[0].kv_transport}): {got:.3f} ms "
@@ -222,8 +247,12 @@ def report(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.netns and not args.in_netns:
+        return netns.rerun_inside("pdserve bench handoff", "pdserve.bench.loadgen.handoff",
+                                  list(sys.argv[1:] if argv is None else argv))
     results = run(args)
-    print(f"host: {os.cpu_count()} CPUs; model {args.model}; chunk {args.chunk_size}; "
+    where = "two hosts (network namespaces joined by a veth)" if args.in_netns else "one host"
+    print(f"host: {os.cpu_count()} CPUs; {where}; model {args.model}; chunk {args.chunk_size}; "
           f"interleaved, one request at a time; medians of {args.short_reps} (short) and "
           f"{args.long_reps} (long) requests")
     print(report(results))
