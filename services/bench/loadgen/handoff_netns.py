@@ -37,10 +37,9 @@ def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str
     py = [sys.executable, "-m"]
     common = ["--model", model, "--metrics-port", "-1"]
     env = {**os.environ, "PDSERVE_PREFILL_CHUNK_SIZE": str(chunk_size), "UCX_TLS": "tcp"}
-    side = {"a": (link.ip_a, link.dev_a, lambda argv: argv),
-            "b": (link.ip_b, link.dev_b, lambda argv: in_ns(link.ns_b, *argv))}
+    side = {"a": (link.ip_a, link.dev_a), "b": (link.ip_b, link.dev_b)}
     procs: list[tuple[str, list[str], str]] = []
-    for host, (ip, _, _) in side.items():
+    for host, (ip, _) in side.items():
         procs.append((host, [*py, "pdserve.kvtransfer.main", "--port", str(agent_port),
                              "--metrics-port", "-1", "--transport", path,
                              "--no-same-host-copy", "--advertise-host", ip,
@@ -62,11 +61,11 @@ def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str
     with ExitStack() as stack:
         started = []
         for host, argv, name in procs:
-            _, dev, wrap = side[host]
+            dev = side[host][1]
             out = stack.enter_context(open(os.path.join(log_dir, f"{path}-{name}.out"), "wb"))
-            proc = subprocess.Popen(wrap(argv), stdout=out, stderr=subprocess.STDOUT,
-                                    env={**env, "UCX_NET_DEVICES": dev},
-                                    start_new_session=True)
+            proc = subprocess.Popen(argv if host == "a" else in_ns(link.ns_b, *argv),
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    env={**env, "UCX_NET_DEVICES": dev}, start_new_session=True)
             stack.callback(stop_group, proc)
             started.append((name, proc))
         try:
