@@ -12,8 +12,9 @@ process on it) and
 `kv_transfer_total_ms` (the time spent moving pages, all parts summed), p50 and p90, and the
 targets: a one-page handoff's kv_transfer_ms p50 <= 1 ms; with long prompts, the exposed
 handoff <= 20% of the whole transfer. `--netns` (root): the ucx and tcp stacks across two hosts,
-network namespaces joined by a veth (handoff_netns.py). `--target HOST:PORT` measures a running
-router instead (one path: whatever it uses).
+network namespaces joined by a veth: the router, the prefill worker and its agent on one, the
+decode worker and its agent on the other (removed at the end, whatever happens).
+`--target HOST:PORT` measures a running router instead (one path: whatever it uses).
 
 Every stack started here prefills every prompt on the prefill side (router
 `--remote-prefill-min-tokens 0`): served traffic computes a short uncached prompt on the decode
