@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.bench.loadgen.handoff import free_port_block, stop_group
+from pdserve.bench.loadgen.procs import free_port_block, stop_group
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 

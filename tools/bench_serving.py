@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.bench.loadgen.handoff import free_port_block, stop_group
+from pdserve.bench.loadgen.procs import free_port_block, stop_group
 from pdserve.bench.loadgen.report import plots
 from pdserve.bench.loadgen.stats import RequestRecord
 from pdserve.bench.quiet import wait_quiet

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.bench.loadgen.handoff import free_port_block
+from pdserve.bench.loadgen.procs import free_port_block
 
 
 def rss_mb(pid: int) -> float:

@@ -284,7 +284,7 @@ class StackRunner:
 
     @contextmanager
     def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int]]:
-        from pdserve.bench.loadgen.handoff import free_port_block, stop_group
+        from pdserve.bench.loadgen.procs import free_port_block, stop_group
 
         base = free_port_block(50)
         cmd = [*PDSERVE, "up", "--model", self.model, "--no-demo", "--http-port", str(base),

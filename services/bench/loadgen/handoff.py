@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,11 +34,11 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import grpc
 from pdserve.bench import netns
 from pdserve.bench.loadgen.handoff_netns import TRANSPORTS, netns_stack
+from pdserve.bench.loadgen.procs import free_port_block, stop_group
 from pdserve.common.health import wait_serving
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -80,25 +78,6 @@ class Result:
         return statistics.median(getattr(s, name) for s in self.samples) if self.samples else 0.0
 
 
-def free_port_block(n: int) -> int:
-    """A base port with `n` free loopback ports above it (checked by binding)."""
-    for _ in range(100):
-        base = random.randint(41000, 59000)
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
-
-
 @contextmanager
 def stack(path: str, model: str, chunk_size: int, log_dir: str) -> Iterator[str]:
     """`pdserve up` for one path, on free ports; yields the router's address."""
@@ -125,18 +104,6 @@ def stack(path: str, model: str, chunk_size: int, log_dir: str) -> Iterator[str]
         yield router
     finally:
         stop_group(proc)
-
-
-def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 60) -> None:
-    """SIGTERM a process started with `start_new_session=True` and everything it started;
-    SIGKILL what is left after `timeout_s`."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def one_request(stub: router_pb2_grpc.RouterStub, token_ids: list[int]) -> Sample:

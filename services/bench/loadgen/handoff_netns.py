@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
+from pdserve.bench.loadgen.procs import stop_group
 from pdserve.bench.netns import Link, in_ns
 from pdserve.common.health import wait_serving
 
@@ -28,7 +29,6 @@ def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str
                 link: Link) -> Iterator[str]:
     """The two-host stack for transport `path`; yields the router's address (in namespace a,
     where this process runs). Every process is stopped on exit, whatever happened."""
-    from pdserve.bench.loadgen.handoff import stop_group  # the one process-group stop
     from pdserve.common.models import resolve_model_name
     from pdserve.engine.setup import model_dir
 
