@@ -160,7 +160,7 @@ class UcxTransport(Transport):
         xfer = header.xfer_id
         header_buf = np.frombuffer(header.encode(), dtype=np.uint8)  # alive until sent
         if header.kv_bytes <= EAGER_BYTES:
-            self._send_eager(ep, header_buf, src_views, deadline, liveness)
+            self._send_eager(ep, xfer, header_buf, src_views, deadline, liveness)
             return
         ready_buf = np.zeros(REPLY_BYTES, dtype=np.uint8)
         ready = self._recv(ready_buf, _tag(_READY, xfer))
@@ -179,11 +179,11 @@ class UcxTransport(Transport):
         self._wait_done(done, done_buf, xfer, deadline, liveness)
         self._wait(sends, time.monotonic() + 1.0, doing="completing the sends")
 
-    def _send_eager(self, ep: Any, header_buf: np.ndarray, src_views: Sequence[np.ndarray],
-                    deadline: float, liveness: Liveness | None) -> None:
+    def _send_eager(self, ep: Any, xfer: int, header_buf: np.ndarray,
+                    src_views: Sequence[np.ndarray], deadline: float,
+                    liveness: Liveness | None) -> None:
         """A small handoff: the runs go right behind the header, without waiting for READY;
         the one reply (DONE, or the refusal) comes once the receiver is through."""
-        xfer = WriteHeader.decode(header_buf.data).xfer_id
         done_buf = np.zeros(REPLY_BYTES, dtype=np.uint8)
         done = self._recv(done_buf, _tag(_DONE, xfer))
         sends = [(self._send(ep, header_buf, _tag(_HEADER)), header_buf)]
@@ -280,7 +280,11 @@ class UcxTransport(Transport):
         buf = np.zeros(MAX_HEADER_BYTES, dtype=np.uint8)
         header = self._recv(buf, _tag(_HEADER))
         while not self._progress_stop.is_set():
-            self._worker.progress_worker_event(EPOLL_TIMEOUT_MS)
+            try:
+                self._worker.progress_worker_event(EPOLL_TIMEOUT_MS)
+            except self._api.UCXError as exc:  # waiters time out; this loop must go on
+                log.error("UCX progress failed: %s", exc)
+                time.sleep(EPOLL_TIMEOUT_MS / 1e3)
             while header.completed and not self._stopping.is_set():
                 try:
                     self._take_header(header, buf)
