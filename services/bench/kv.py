@@ -179,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                                   list(sys.argv[1:] if argv is None else argv))
     placement = Placement()
     if args.in_netns:
+        netns.stop_on_sigterm()
         placement = NetnsPlacement(*netns.from_spec(args.in_netns))
-    results = run(args, placement)
+    try:
+        results = run(args, placement)
+    except KeyboardInterrupt:  # what it started was stopped on the way out
+        return 130
     print(f"host: {os.cpu_count()} CPUs; {placement.note}; medians of {args.reps} reps; "
           "GB/s = 1e9 bytes/s")
     print(report(results, cross_host=isinstance(placement, NetnsPlacement)))

@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 PREFIX = "pdkv"
+INNER_STOP_S = 90.0  # an interrupted inner run's time to stop the processes it started
 SUBNET = "10.206.{}.{}"
 
 
@@ -104,15 +106,42 @@ def two_hosts() -> Iterator[Link]:
 
 def rerun_inside(prog: str, module: str, argv: list[str]) -> int:
     """Make the two namespaces and a scratch directory, run `python -m module argv --in-netns
-    SPEC` inside namespace a (SPEC: `Link.spec` and the directory), remove them all after."""
+    SPEC` inside namespace a (SPEC: `Link.spec` and the directory), remove them all after.
+    Interrupted (Ctrl-C, SIGTERM), the inner run is stopped first, so it stops what it
+    started (it calls `stop_on_sigterm`), then the namespaces go."""
     why = unavailable()
     if why:
         print(f"{prog}: {why}", file=sys.stderr)
         return 2
+    stop_on_sigterm()
     with two_hosts() as link, tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as scratch:
-        inner = in_ns(link.ns_a, sys.executable, "-m", module, *argv,
-                      "--in-netns", f"{link.spec()},{scratch}")
-        return subprocess.run(inner).returncode
+        inner = subprocess.Popen(in_ns(link.ns_a, sys.executable, "-m", module, *argv,
+                                       "--in-netns", f"{link.spec()},{scratch}"))
+        try:
+            return inner.wait()
+        except KeyboardInterrupt:
+            inner.send_signal(signal.SIGTERM)
+            try:
+                inner.wait(INNER_STOP_S)
+            except subprocess.TimeoutExpired:
+                inner.kill()
+                inner.wait()
+            print(f"{prog}: interrupted; its processes and namespaces are removed",
+                  file=sys.stderr)
+            return 130
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (and Ctrl-C) raise KeyboardInterrupt once, so what a run started is stopped on
+    the way out; later ones are ignored, so they cannot cut that short (a terminal's Ctrl-C
+    reaches both runs, and the outer one then also sends SIGTERM to the inner one)."""
+    def interrupt(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupt)
 
 
 def from_spec(spec: str) -> tuple[Link, str]:

@@ -6,7 +6,9 @@ namespaces and processes are gone afterwards."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import time
 
 from tests.multihost.conftest import require_root
 from tests.support import pdserve_argv
@@ -47,3 +49,27 @@ def test_bench_handoff_netns_refuses_same_host_paths() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "bad --paths ['shm']" in done.stderr
+
+
+def test_bench_handoff_netns_interrupted_leaves_nothing_behind(tmp_path) -> None:
+    require_root()
+    bench = subprocess.Popen(pdserve_argv(
+        "bench", "handoff", "--netns", "--model", "tiny", "--paths", "tcp", "--short-reps",
+        "100000", "--long-tokens", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        # both agents and both workers started, in both namespaces
+        while _leftovers().count("--advertise-host 10.206.") < 4:
+            assert bench.poll() is None, bench.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the two-host stack never started"
+            time.sleep(0.2)  # bounded poll of the process table
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=150)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 130, err[-3000:]
+    assert "interrupted; its processes and namespaces are removed" in err
+    assert _leftovers() == ""

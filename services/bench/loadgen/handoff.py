@@ -218,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.netns and not args.in_netns:
         return netns.rerun_inside("pdserve bench handoff", "pdserve.bench.loadgen.handoff",
                                   list(sys.argv[1:] if argv is None else argv))
-    results = run(args)
+    if args.in_netns:
+        netns.stop_on_sigterm()
+    try:
+        results = run(args)
+    except KeyboardInterrupt:  # what it started was stopped on the way out
+        return 130
     where = "two hosts (network namespaces joined by a veth)" if args.in_netns else "one host"
     print(f"host: {os.cpu_count()} CPUs; {where}; model {args.model}; chunk {args.chunk_size}; "
           f"interleaved, one request at a time; medians of {args.short_reps} (short) and "
