@@ -192,8 +192,7 @@ class UcxTransport(Transport):
         try:
             self._wait_done(done, done_buf, xfer, deadline, liveness)
         finally:  # a refused handoff's runs are swallowed by the receiver, so they complete too
-            with self._drains_lock:  # the header's buffer kept until its send completed
-                self._replies += [(r, b) for r, b in sends if not r.completed]
+            self._hold_sends([(r, b) for r, b in sends if not r.completed])
         self._wait([r for r, _ in sends], time.monotonic() + 1.0, doing="completing the sends")
 
     def _wait_done(self, done: Any, done_buf: np.ndarray, xfer: int, deadline: float,
@@ -225,10 +224,10 @@ class UcxTransport(Transport):
             write = self._sink.accept(header)
         except KvTransferError as exc:
             if eager:  # its runs are on their way: swallowed, so the sender's sends complete
-                with self._drains_lock:
-                    for i, (_, pages) in enumerate(header.dst_runs):
-                        buf = np.empty(pages * header.page_bytes, dtype=np.uint8)
-                        self._drains.append((self._recv(buf, _tag(_DATA, xfer, i)), buf))
+                scratch = [np.empty(n * header.page_bytes, dtype=np.uint8)
+                           for _, n in header.dst_runs]
+                self._hold_drains([(self._recv(buf, _tag(_DATA, xfer, i)), buf)
+                                   for i, buf in enumerate(scratch)])
             self._post_reply(ep, _tag(_DONE if eager else _READY, xfer),
                              Reply.failure("ready", exc))
             return
@@ -269,9 +268,17 @@ class UcxTransport(Transport):
     def _post_reply(self, ep: Any, tag: int, reply: Reply) -> None:
         """Send a reply without waiting; its buffer is kept until the send completed."""
         msg = np.frombuffer(reply.encode(), dtype=np.uint8)
+        self._hold_sends([(self._send(ep, msg, tag), msg)])
+
+    def _hold_sends(self, sends: list[tuple[Any, np.ndarray]]) -> None:
+        """Keep these sends' buffers until the sends complete (dropping those that did)."""
         with self._drains_lock:
-            self._replies = [(r, b) for r, b in self._replies if not _finished(r, log)]
-            self._replies.append((self._send(ep, msg, tag), msg))
+            self._replies = [(r, b) for r, b in self._replies if not _finished(r, log)] + sends
+
+    def _hold_drains(self, drains: list[tuple[Any, np.ndarray]]) -> None:
+        """Keep these swallowing requests and their buffers until they complete."""
+        with self._drains_lock:
+            self._drains = [(r, b) for r, b in self._drains if not r.completed] + drains
 
     # ---- UCX plumbing -----------------------------------------------------------------
     def _progress_loop(self) -> None:
@@ -368,14 +375,13 @@ class UcxTransport(Transport):
     def _retire(self, reqs: Sequence[tuple[Any, int]], drain_bytes: int,
                 wait_s: float = RETIRE_WAIT_S) -> None:
         """Complete posted receives nobody should fill any more (see the module docstring)."""
-        with self._drains_lock:
-            self._drains = [(r, b) for r, b in self._drains if not r.completed]
-            for req, tag in reqs:
-                if req.completed:
-                    continue
-                self._drains.append((self._send(self._self_ep, _EMPTY, tag), _EMPTY))
+        drains = []
+        for req, tag in reqs:
+            if not req.completed:
                 buf = np.empty(drain_bytes, dtype=np.uint8)
-                self._drains.append((self._recv(buf, tag), buf))
+                drains += [(self._send(self._self_ep, _EMPTY, tag), _EMPTY),
+                           (self._recv(buf, tag), buf)]
+        self._hold_drains(drains)
         deadline = time.monotonic() + (RETIRE_WAIT_S if self._stopping.is_set() else wait_s)
         try:
             self._wait([r for r, _ in reqs], deadline, doing="retiring posted receives",
