@@ -10,7 +10,6 @@ is then a path in a directory of this process's choosing, so this process can st
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.bench.kv_baselines import RawTcp
+from pdserve.bench.loadgen.procs import free_port
 from pdserve.bench.netns import Link, in_ns
 from pdserve.common import localsock
 from pdserve.common.handoff import (
@@ -41,12 +41,6 @@ class AgentProc:
     address: str  # gRPC host:port
     socket: str  # its local socket
     proc: subprocess.Popen[bytes]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.kv_rig import free_port
+from pdserve.bench.loadgen.procs import free_port
 from pdserve.bench.router_load import Shot, drive, prompt_ids
 from pdserve.bench.router_report import Window, cpu_seconds, machine, summarize
 from pdserve.processes import Proc, Stack, _signal_group

@@ -137,9 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="requests per stack not counted")
     p.add_argument("--json", help="also write every sample to this file")
     args = p.parse_args(argv)
-    paths = args.paths or ",".join(TRANSPORTS if args.netns else PATHS)
-    args.paths = [x for x in paths.split(",") if x]
-    bad = [x for x in args.paths if x not in (TRANSPORTS if args.netns else PATHS)]
+    allowed = TRANSPORTS if args.netns else tuple(PATHS)
+    args.paths = [x for x in (args.paths or ",".join(allowed)).split(",") if x]
+    bad = [x for x in args.paths if x not in allowed]
     if args.netns and args.target:
         p.error("--netns starts its own stacks: not with --target")
     if bad or args.short_reps <= 0 or args.long_reps < 0 or args.short_tokens <= 0:

@@ -11,6 +11,13 @@ import subprocess
 from typing import Any
 
 
+def free_port() -> int:
+    """One free loopback port (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def free_port_block(n: int) -> int:
     """A base port with `n` free loopback ports above it (checked by binding)."""
     for _ in range(100):
