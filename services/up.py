@@ -54,6 +54,10 @@ class UpConfig:
                                           "while the next chunk computes (off: all after the "
                                           "last chunk)")
     colocated: bool = option(False, "one co-located engine instead of prefill + decode workers")
+    prefill_tp: int = option(1, "tensor-parallel ranks of each prefill worker (a process each, "
+                                "on its share of the prefill cores)")
+    decode_tp: int = option(1, "tensor-parallel ranks of each decode worker")
+    colocated_tp: int = option(1, "tensor-parallel ranks of the co-located worker")
     prefix_cache: bool = option(True, "every worker keeps full KV pages for reuse by later "
                                       "prompts with the same prefix (--no-prefix-cache: off)")
     port: int = option(50051, "router port")
@@ -96,6 +100,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         require(self.prefill >= 1, "prefill", self.prefill, ">= 1")
         require(self.decode >= 1, "decode", self.decode, ">= 1")
+        for name in ("prefill_tp", "decode_tp", "colocated_tp"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
         require(self.kv_cache_mb >= 0, "kv_cache_mb", self.kv_cache_mb, ">= 0")
         require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
                 "0..65535, or -1 (off)")
@@ -190,7 +196,8 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     if cfg.colocated:
         addr = f"127.0.0.1:{cfg.colocated_port}"
         procs.append(Proc("colocated", addr, [*py, "pdserve.colocated.main", "--port",
-                                              str(cfg.colocated_port), *worker_common]))
+                                              str(cfg.colocated_port), *worker_common,
+                                              "--tp", str(cfg.colocated_tp)]))
         prefill_addrs = decode_addrs = [addr]
     else:
         agent_a, agent_b = (f"127.0.0.1:{cfg.agent_port + i}" for i in range(2))
@@ -204,11 +211,11 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
         for i, addr in enumerate(decode_addrs):
             procs.append(Proc(f"decode-{i}", addr, [*py, "pdserve.decode.main", "--port",
                                                     addr.rsplit(":", 1)[1], "--kv-agent", agent_b,
-                                                    *worker_common]))
+                                                    *worker_common, "--tp", str(cfg.decode_tp)]))
         for i, addr in enumerate(prefill_addrs):
             procs.append(Proc(f"prefill-{i}", addr, [
                 *py, "pdserve.prefill.main", "--port", addr.rsplit(":", 1)[1], "--kv-agent",
-                agent_a, *worker_common,
+                agent_a, *worker_common, "--tp", str(cfg.prefill_tp),
                 "--pipeline-handoff" if cfg.pipeline_handoff else "--no-pipeline-handoff",
                 "--same-host-lane" if cfg.same_host_lane else "--no-same-host-lane"]))
     procs.append(Proc("router", f"127.0.0.1:{cfg.port}", [

@@ -30,6 +30,18 @@ class Destination:
     # of page first_page - 1 (0 when first_page is 0), for the sender to check.
     first_page: int = 0
     boundary_key: int = 0
+    # A tensor-parallel decode worker (fingerprint.tp_size D > 1): the pools of its ranks
+    # 1..D-1 (the same agent, epoch and page ids; each holds its own KV heads). This one is
+    # rank 0's. The handoff is complete when every rank's pool has every page.
+    ranks: tuple[Destination, ...] = ()
+
+    def per_rank(self) -> list[Destination]:
+        """Rank 0's destination and the others', each one pool (no `ranks` of its own)."""
+        if not self.ranks:
+            return [self]
+        return [dataclasses.replace(self, ranks=()),
+                *(dataclasses.replace(self, pool_id=r.pool_id, fingerprint=r.fingerprint)
+                  for r in self.ranks)]
 
 
 @dataclass(frozen=True)
@@ -80,14 +92,19 @@ def destination_to_json(d: Destination) -> dict[str, Any]:
     return {"agent_address": d.agent_address, "agent_epoch": d.agent_epoch,
             "pool_id": d.pool_id, "page_ids": list(d.page_ids),
             "fingerprint": fingerprint_to_json(d.fingerprint), "first_page": d.first_page,
-            "boundary_key": d.boundary_key}
+            "boundary_key": d.boundary_key,
+            "ranks": [{"pool_id": r.pool_id, "fingerprint": fingerprint_to_json(r.fingerprint)}
+                      for r in d.ranks]}
 
 
 def destination_from_json(obj: Any) -> Destination:
     return Destination(str(obj["agent_address"]), int(obj["agent_epoch"]), str(obj["pool_id"]),
                        tuple(int(p) for p in obj["page_ids"]),
                        fingerprint_from_json(obj.get("fingerprint")),
-                       int(obj.get("first_page", 0)), int(obj.get("boundary_key", 0)))
+                       int(obj.get("first_page", 0)), int(obj.get("boundary_key", 0)),
+                       tuple(Destination("", 0, str(r["pool_id"]), (),
+                                         fingerprint_from_json(r.get("fingerprint")))
+                             for r in obj.get("ranks", ())))
 
 
 def report_to_json(r: TransferReport) -> dict[str, Any]:

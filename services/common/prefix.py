@@ -2,11 +2,12 @@
 library only: the engine names its pages with it, the router the pages a prompt would need).
 
 Page i's key = H(key of page i-1, token ids of page i), and the chain's root is H(the layout
-fingerprint), so pools of a different model, revision, dtype, block size or tensor-parallel
-layout never share a key. Keys are 64-bit (they travel in cache events and protobuf as
-`fixed64`); a collision cannot give wrong output because a hit also compares the page's
-token ids (`PageAllocator.lookup`). Only full pages have keys: the last, partly filled page
-of a prompt is always computed.
+fingerprint), so pools of a different model, revision, dtype or block size never share a key.
+The tensor-parallel split is left out: ranks of any TP size hold the same tokens' KV, only cut
+by heads, and a handoff between different TP sizes checks its prefix boundary by these keys.
+Keys are 64-bit (they travel in cache events and protobuf as `fixed64`); a collision cannot
+give wrong output because a hit also compares the page's token ids (`PageAllocator.lookup`).
+Only full pages have keys: the last, partly filled page of a prompt is always computed.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pdserve.common.layout import LayoutFingerprint
 
 
 def root_key(fingerprint: LayoutFingerprint) -> int:
-    """The chain's seed: every field of the layout fingerprint."""
+    """The chain's seed: every field of the layout fingerprint but the tensor-parallel split
+    (whose heads a pool holds of the tokens' KV, not which KV)."""
     text = "|".join(f"{f.name}={getattr(fingerprint, f.name)!r}"
-                    for f in dataclasses.fields(fingerprint))
+                    for f in dataclasses.fields(fingerprint)
+                    if f.name not in ("tp_rank", "tp_size", "num_kv_heads"))
     return _digest(b"pdserve-prefix-v1|" + text.encode())
 
 

@@ -12,3 +12,10 @@ class TicketKey(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.request_id}@{self.epoch}"
+
+
+def rank_ticket(key: TicketKey, rank: int) -> TicketKey:
+    """The key of a tensor-parallel decode worker's rank `rank` pool for the reservation `key`
+    (rank 0: `key` itself). Each rank's pool is its own write window on the agent, so each
+    needs a key of its own; sender and receiver derive it the same way."""
+    return key if rank == 0 else TicketKey(f"{key.request_id}/tp{rank}", key.epoch)

@@ -64,14 +64,21 @@ def destination_to_pb(dest: Destination) -> common_pb2.KVDestination:
                                   boundary_key=dest.boundary_key)
     if dest.fingerprint is not None:
         pb.fingerprint.CopyFrom(fingerprint_to_pb(dest.fingerprint))
+    for r in dest.ranks:
+        rank = pb.tp_ranks.add(pool_id=r.pool_id)
+        if r.fingerprint is not None:
+            rank.fingerprint.CopyFrom(fingerprint_to_pb(r.fingerprint))
     return pb
 
 
 def destination_from_pb(pb: common_pb2.KVDestination) -> Destination:
     if pb.first_page < 0:
         raise InvalidArgument(f"destination.first_page={pb.first_page}: must be >= 0")
+    ranks = tuple(Destination(pb.agent_address, pb.agent_epoch, r.pool_id, (),
+                              fingerprint_from_pb(r.fingerprint)) for r in pb.tp_ranks)
     return Destination(pb.agent_address, pb.agent_epoch, pb.pool_id, tuple(pb.page_ids),
-                       fingerprint_from_pb(pb.fingerprint), pb.first_page, pb.boundary_key)
+                       fingerprint_from_pb(pb.fingerprint), pb.first_page, pb.boundary_key,
+                       ranks)
 
 
 def report_to_pb(report: TransferReport) -> common_pb2.TransferReport:

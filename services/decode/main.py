@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     def make(cfg: DecodeConfig, loop: EngineLoop, worker_id: str) -> DecodeWorker:
         return DecodeWorker(loop, connect_agent(cfg), worker_id=worker_id,
                             agent_address=cfg.kv_agent_for_peers,
-                            default_lease_s=cfg.lease_ms / 1e3, token_wait_s=cfg.token_wait_s)
+                            default_lease_s=cfg.lease_ms / 1e3, token_wait_s=cfg.token_wait_s,
+                            connect=lambda: connect_agent(cfg))
 
     def servicers(worker: DecodeWorker) -> Callable[[grpc.Server], None]:
         return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(

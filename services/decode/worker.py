@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pdserve.common import failpoints
 from pdserve.common.errors import InvalidArgument, Unavailable
@@ -27,8 +27,9 @@ from pdserve.engine.loop import EngineLoop, Outputs
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.here import LocalPrefill
-from pdserve.worker.leases import Lease, LeaseBook
+from pdserve.worker.leases import Lease, LeaseBook, WriteWindow
 from pdserve.worker.pages import EnginePages
+from pdserve.worker.ranks import RankPools, RankWindows, rank_destination
 from pdserve.worker.streams import token_events
 from pdserve.worker.types import (
     DecodeEvent,
@@ -45,10 +46,17 @@ class DecodeWorker:
     role = "decode"
 
     def __init__(self, loop: EngineLoop, agent: AgentClient, *, worker_id: str,
-                 agent_address: str, default_lease_s: float = 30.0, token_wait_s: float = 120.0):
+                 agent_address: str, default_lease_s: float = 30.0, token_wait_s: float = 120.0,
+                 connect: Callable[[], AgentClient] | None = None):
+        """`connect`: another client of the same agent, one per tensor-parallel rank > 0."""
         self.loop = loop
         self.engine = loop.engine
         self.agent = agent
+        pools = self.engine.rank_pools[1:]
+        if pools and connect is None:
+            raise ValueError("a tensor-parallel decode worker needs `connect` (a client of its "
+                             "agent per rank pool)")
+        self.ranks = RankPools(worker_id, pools, connect) if pools and connect else None
         self.worker_id = worker_id
         self.model_id = self.engine.pool.fingerprint.model_id
         self.agent_address = agent_address
@@ -69,8 +77,11 @@ class DecodeWorker:
         self.pool_id, self.agent_epoch = self.agent.register_pool(
             self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
             on_registered=self._registered)
-        self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop),
-                                self.agent.window(),
+        window: WriteWindow = self.agent.window()
+        if self.ranks is not None:  # one window per rank's pool, opened and closed together
+            self.ranks.register()
+            window = RankWindows([window, *(a.window() for a in self.ranks.agents)])
+        self.leases = LeaseBook(self.worker_id, self.epoch, EnginePages(self.loop), window,
                                 default_lease_s=self.default_lease_s,
                                 on_expired=lambda key: self.metrics.lease_expiries.inc())
         self.leases.start_reaper(also=self.here.expire)
@@ -105,8 +116,9 @@ class DecodeWorker:
 
     def _destination(self, page_ids: list[int], cached_pages: int,
                      boundary_key: int) -> Destination:
-        return Destination(self.agent_address, self.agent_epoch, self.pool_id, tuple(page_ids),
-                           self.engine.pool.fingerprint, cached_pages, boundary_key)
+        return rank_destination(
+            Destination(self.agent_address, self.agent_epoch, self.pool_id, tuple(page_ids),
+                        self.engine.pool.fingerprint, cached_pages, boundary_key), self.ranks)
 
     def renew(self, keys: list[TicketKey], renew_s: float) -> list[str]:
         """The router's heartbeat for the reservations it holds; returns those not held."""
@@ -191,5 +203,7 @@ class DecodeWorker:
         self.cache_feed.close()
         if self.leases is not None:
             self.leases.close()
+        if self.ranks is not None:
+            self.ranks.close()
         self.agent.close()
 

@@ -40,6 +40,7 @@ from pdserve.engine.prefill_order import prefill_order
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import Sequence, Status, StepOutput
+from pdserve.engine.tp import Ranks
 
 ROLES = ("colocated", "prefill", "decode")
 
@@ -78,8 +79,9 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: PagedCausalLM, config: EngineConfig, *, device: str = "cpu",
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), ranks: Ranks | None = None):
         self.model = model
+        self.ranks = ranks  # tensor parallelism: the other ranks (this process is rank 0)
         self.config = config
         self.device = torch.device(device)
         self.pool = KVPool(model.fingerprint(config.block_size), config.num_pages, device)
@@ -94,6 +96,11 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stalled = False  # the last step found work but could run none of it
         self.num_preemptions = 0  # running sequences sent back to be recomputed (out of pages)
+
+    @property
+    def rank_pools(self) -> list[KVPool]:
+        """Every tensor-parallel rank's pool, rank 0's (this one) first."""
+        return [self.pool, *(self.ranks.pools if self.ranks is not None else ())]
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -394,4 +401,6 @@ class Engine:
         self.seqs.pop(seq.seq_id, None)
 
     def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
         self.pool.close()

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from pdserve.engine import kernels
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.batch import Batch
 from pdserve.engine.pool import DTYPES
+from pdserve.engine.tp_shard import shard
 from torch import nn
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -32,6 +33,19 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 class UnsupportedModel(ValueError):
     """The model directory holds an architecture pdserve cannot run."""
+
+
+class TensorParallel(Protocol):
+    """What the forward pass needs of its tensor-parallel group (tp.py): rank 0 hands each
+    step's batch to the other ranks before running it; every rank sums its row-parallel
+    partials with the others'."""
+
+    rank: int
+    size: int
+
+    def start_step(self, batch: Batch) -> None: ...
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -90,9 +104,13 @@ class PagedCausalLM(nn.Module):
     max_context: int
     fused_epilogues: bool
 
-    def __init__(self, hf_model: Any, model_id: str, revision: str):
+    def __init__(self, hf_model: Any, model_id: str, revision: str,
+                 tp: TensorParallel | None = None):
+        """`hf_model` whole, or already cut to `tp`'s rank (tp_shard.shard)."""
         super().__init__()
         cfg = hf_model.config
+        self.tp = tp
+        tp_size = tp.size if tp is not None else 1
         inner = hf_model.model
         self.config = cfg
         self.embed_tokens = inner.embed_tokens
@@ -101,9 +119,11 @@ class PagedCausalLM(nn.Module):
         self.rotary_emb = inner.rotary_emb
         self.lm_head = hf_model.lm_head
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = heads // tp_size
+        self.num_kv_heads = (getattr(cfg, "num_key_value_heads", None) or heads) // tp_size
         self.scaling = self.head_dim ** -0.5
         window = getattr(cfg, "sliding_window", None)
         if getattr(cfg, "use_sliding_window", True) is False:
@@ -120,8 +140,9 @@ class PagedCausalLM(nn.Module):
         self._pack_linears(self.embed_tokens.weight.device)
 
     def fingerprint(self, block_size: int) -> LayoutFingerprint:
+        rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
         return LayoutFingerprint(self.model_id, self.revision, self.dtype_name, self.num_layers,
-                                 self.num_kv_heads, self.head_dim, block_size)
+                                 self.num_kv_heads, self.head_dim, block_size, rank, size)
 
     def _fuse_projections(self) -> None:
         """One q/k/v GEMM per layer (1 instead of 3).
@@ -198,6 +219,9 @@ class PagedCausalLM(nn.Module):
     def forward(self, batch: Batch, kv: torch.Tensor) -> torch.Tensor:
         """Run the batch, writing its new K/V into `kv` pages; the logits of each sequence's last
         new token [S, V]."""
+        tp = self.tp
+        if tp is not None and tp.rank == 0:
+            tp.start_step(batch)
         N = batch.num_tokens
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed_tokens(batch.input_ids)
@@ -229,18 +253,32 @@ class PagedCausalLM(nn.Module):
                 layer_kv[batch.slot_pages, 1, batch.slot_offsets] = v.view(N, KVH, D)
             out = self.attention(q, layer_kv, batch, lib, rows).to(hidden.dtype)
             if self.fused_epilogues:  # the same sums; the GEMMs' epilogues do the rest
-                hidden = self._o_mm[layer_idx].add(out.view(rows, H * D), hidden)
+                hidden = self._row_parallel(self._o_mm[layer_idx], out.view(rows, H * D), hidden)
                 x = _rms_norm(layer.post_attention_layernorm, hidden)
                 act = self._up_mm[layer_idx].mul(x, self._gate_mm[layer_idx].silu(x))
-                hidden = self._down_mm[layer_idx].add(act, hidden)
+                hidden = self._row_parallel(self._down_mm[layer_idx], act, hidden)
                 continue
-            hidden = hidden + self._o_mm[layer_idx](out.view(N, H * D))
+            hidden = hidden + self._reduce(self._o_mm[layer_idx](out.view(N, H * D)))
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             gate, up = self._gate_up_mm[layer_idx](x).chunk(2, dim=-1)
-            hidden = hidden + self._down_mm[layer_idx](layer.mlp.act_fn(gate) * up)
+            hidden = hidden + self._reduce(self._down_mm[layer_idx](layer.mlp.act_fn(gate) * up))
+        if tp is not None and tp.rank != 0:  # rank 0 alone samples
+            nothing: torch.Tensor = hidden[:0]
+            return nothing
         last = hidden[batch.last_index]
         logits: torch.Tensor = self._lm_head_mm(_rms_norm(self.norm, last)).float()
         return logits
+
+
+    def _row_parallel(self, mm: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ b), the residual added in the GEMM's epilogue; with tensor
+        parallelism each rank's partial product summed, the residual (and bias) from rank 0."""
+        if self.tp is None:
+            return mm.add(x, residual)
+        return self.tp.all_reduce(mm.add(x, residual) if self.tp.rank == 0 else mm(x))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 class Linear:
@@ -330,8 +368,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def load_model(model_dir: Path, *, dtype: str = "auto", device: str = "cpu",
-               model_id: str | None = None) -> PagedCausalLM:
-    """Load a local Hugging Face directory (no network) into a PagedCausalLM."""
+               model_id: str | None = None, tp: TensorParallel | None = None) -> PagedCausalLM:
+    """Load a local Hugging Face directory (no network) into a PagedCausalLM (with `tp`, the
+    shard of its rank)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = Path(model_dir)
@@ -340,5 +379,7 @@ def load_model(model_dir: Path, *, dtype: str = "auto", device: str = "cpu",
     dtype = resolve_dtype(dtype, device)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
     cast(Any, hf).to(device).eval()
+    if tp is not None and tp.size > 1:
+        shard(hf, tp.rank, tp.size)
     name = model_id or model_dir.resolve().name
-    return PagedCausalLM(hf, name, model_revision(model_dir)).eval()
+    return PagedCausalLM(hf, name, model_revision(model_dir), tp).eval()

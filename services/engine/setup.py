@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.common.cpus import format_cpu_list
 from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.engine import builtin
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import PagedCausalLM, load_model
+from pdserve.engine.model import PagedCausalLM, check_architecture, load_model, read_config
+from pdserve.engine.pool import KVPool
 from pdserve.engine.sizing import PoolPlan, plan_pool
+from pdserve.engine.tp import Group, Ranks, RankSpec, split_cores
+from pdserve.engine.tp_shard import ShardingError, check_divisible
 
 log = logging.getLogger("pdserve.engine")
 
@@ -52,18 +58,44 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
                  block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 0,
                  max_model_len: int = 0, chunk_size: int = 512, max_num_seqs: int = 256,
                  max_prefill_tokens: int = 2048, prefix_caching: bool = True,
-                 prompts_beside_decodes: int = 0) -> tuple[Engine, Path]:
+                 prompts_beside_decodes: int = 0, tp: int = 1,
+                 tp_cores: list[list[int]] | None = None) -> tuple[Engine, Path]:
     """The engine of a worker. Its pool holds at least one full-context sequence: sized so
-    (kv_cache_mb 0 and num_pages 0), or checked (ValueError naming both numbers)."""
+    (kv_cache_mb 0 and num_pages 0), or checked (ValueError naming both numbers).
+
+    With `tp` > 1 this process is rank 0 of `tp` (tp.py): the other ranks start on
+    `tp_cores[1:]` (default: this process's cores split evenly), each with its shard and a
+    pool of as many pages as this one's (kv_cache_mb is per rank). ShardingError when `tp`
+    does not divide the model's heads."""
     ref = resolve_model_name(model)
     directory = model_dir(ref)
-    loaded = load_model(directory, dtype=dtype, device=device,
-                        model_id=ref.name if ref.builtin_size else None)
+    model_id = ref.name if ref.builtin_size else None
+    group = None
+    if tp > 1:
+        if device != "cpu":
+            raise ShardingError(f"tensor parallelism runs on CPU (gloo) only so far, not on "
+                                f"{device!r}")
+        check_architecture(hf_config := read_config(directory), directory)
+        check_divisible(hf_config, tp)
+        group = Group(0, tp)
+    loaded = load_model(directory, dtype=dtype, device=device, model_id=model_id, tp=group)
     plan = pool_plan(loaded, role, block_size, num_pages, kv_cache_mb, max_model_len)
     log.info("%s", plan.describe(block_size, loaded.fingerprint(block_size).page_bytes))
+    ranks = None
+    if group is not None:
+        cores = tp_cores or split_cores(sorted(os.sched_getaffinity(0)), tp)
+        spec = RankSpec(str(directory), model_id, dtype, device, block_size, plan.num_pages,
+                        tp, 0, max(1, len(cores[1])))
+        log.info("starting tensor-parallel ranks 1..%d on cores %s", tp - 1,
+                 "; ".join(format_cpu_list(c) for c in cores[1:]))
+        fp = loaded.fingerprint(block_size)
+        pools = [KVPool(dataclasses.replace(fp, tp_rank=r), plan.num_pages, device)
+                 for r in range(1, tp)]
+        ranks = Ranks.launch(group, spec, cores, pools)
     config = EngineConfig(role=role, block_size=block_size, num_pages=plan.num_pages,
                           max_model_len=plan.max_model_len, chunk_size=chunk_size,
                           max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                           prefix_caching=prefix_caching,
                           prompts_beside_decodes=prompts_beside_decodes)
-    return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(directory)), directory
+    return Engine(loaded, config, device=device, eos_token_ids=eos_token_ids(directory),
+                  ranks=ranks), directory

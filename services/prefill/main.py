@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                              transfer_timeout_s=cfg.transfer_timeout_s,
                              prefill_wait_s=cfg.prefill_wait_s,
                              pipeline_handoff=cfg.pipeline_handoff,
-                             same_host_lane=cfg.same_host_lane)
+                             same_host_lane=cfg.same_host_lane,
+                             connect=lambda: connect_agent(cfg))
 
     def servicers(worker: PrefillWorker) -> Callable[[grpc.Server], None]:
         return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(

@@ -30,6 +30,7 @@ from pdserve.common.metrics import WorkerMetrics, count_outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sequence import StepOutput
+from pdserve.prefill.ranks import RankShipments, Source, Sources
 from pdserve.prefill.shipment import Shipment
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.cache_feed import CacheFeed
@@ -43,7 +44,10 @@ class PrefillWorker:
 
     def __init__(self, loop: EngineLoop, agent: AgentClient, *, worker_id: str,
                  transfer_timeout_s: float = 30.0, prefill_wait_s: float = 300.0,
-                 pipeline_handoff: bool = True, same_host_lane: bool = True):
+                 pipeline_handoff: bool = True, same_host_lane: bool = True,
+                 connect: Callable[[], AgentClient] | None = None):
+        """`connect`: another client of the same agent (for the pools of tensor-parallel ranks
+        and of handoffs to another TP size, each registered on a connection of its own)."""
         self.loop = loop
         self.engine = loop.engine
         self.agent = agent
@@ -57,9 +61,12 @@ class PrefillWorker:
         self.pool_id = ""
         self.epoch = time.time_ns() // 1000  # new at every start (cache events)
         self.admitting = True
-        self._shipments: dict[str, Shipment] = {}
+        self._shipments: dict[str, Shipment | RankShipments] = {}
         self._lock = threading.Lock()
         self._parts = ThreadPoolExecutor(8, thread_name_prefix="kv-parts")
+        self._connect = connect
+        self.sources: Sources | None = None  # made at register: ranks and staging pools
+        self._finishers = ThreadPoolExecutor(8, thread_name_prefix="kv-rank-finish")
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.cache_feed = CacheFeed(loop)
 
@@ -71,9 +78,16 @@ class PrefillWorker:
         if self.same_host_lane:
             self.lane = SameHostLane(self.agent, pool.fd, pool.num_pages, pool.page_bytes,
                                      pool.fingerprint, self.worker_id)
+        if self._connect is not None:
+            self.sources = Sources(self.worker_id, Source(pool, self.agent, self.pool_id,
+                                                          self.lane),
+                                   self.engine.rank_pools[1:], self._connect,
+                                   self.same_host_lane)
 
     def _registered(self, pool_id: str, agent_epoch: int) -> None:
         self.pool_id = pool_id  # again after an agent restart
+        if self.sources is not None:
+            self.sources.ranks[0].pool_id = pool_id
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult:
         with count_outcome(self.metrics.prefills):
@@ -136,16 +150,25 @@ class PrefillWorker:
                 f"has key {mine:#018x} (a different prompt or layout): nothing was shipped")
 
     def _shipment(self, rid: str, ticket: TicketKey, destination: Destination,
-                  cancelled: threading.Event) -> Shipment:
-        shipment = Shipment(self.lane or self.agent, ticket, self.pool_id, destination,
-                            self.transfer_timeout_s, self._parts)
+                  cancelled: threading.Event) -> Shipment | RankShipments:
+        shipment: Shipment | RankShipments
+        if self.sources is not None and self.sources.needs_ranks(destination):
+            shipment = RankShipments(self.sources, ticket, destination, self.transfer_timeout_s,
+                                     self._parts, self._finishers)
+        elif len(self.engine.rank_pools) > 1:
+            raise FailedPrecondition(f"{rid}: this tensor-parallel prefill worker cannot "
+                                     f"reach its ranks' pools (started without `connect`)")
+        else:
+            shipment = Shipment(self.lane or self.agent, ticket, self.pool_id, destination,
+                                self.transfer_timeout_s, self._parts)
         with self._lock:
             if cancelled.is_set():
                 raise Aborted(f"{rid} was cancelled")
             self._shipments[rid] = shipment
         return shipment
 
-    def _progress(self, shipment: Shipment) -> Callable[[StepOutput], None] | None:
+    def _progress(self, shipment: Shipment | RankShipments
+                  ) -> Callable[[StepOutput], None] | None:
         if not self.pipeline_handoff:
             return None
 
@@ -153,7 +176,7 @@ class PrefillWorker:
             shipment.ship(out.page_ids or [])
         return ship
 
-    def _finish(self, rid: str, shipment: Shipment, out: StepOutput,
+    def _finish(self, rid: str, shipment: Shipment | RankShipments, out: StepOutput,
                 destination: Destination) -> TransferReport:
         try:
             return shipment.finish(out.page_ids or [], out.done_at or time.perf_counter())
@@ -185,6 +208,9 @@ class PrefillWorker:
         self.admitting = False
         self.cache_feed.close()
         self._parts.shutdown(wait=False, cancel_futures=True)
+        self._finishers.shutdown(wait=False, cancel_futures=True)
+        if self.sources is not None:
+            self.sources.close()
         if self.lane is not None:
             self.lane.close()
         self.agent.close()

@@ -55,7 +55,7 @@ class LayoutFingerprint(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("agent_address", "agent_epoch", "pool_id", "page_ids", "fingerprint", "first_page", "boundary_key")
+    __slots__ = ("agent_address", "agent_epoch", "pool_id", "page_ids", "fingerprint", "first_page", "boundary_key", "tp_ranks")
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     AGENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class KVDestination(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_KEY_FIELD_NUMBER: _ClassVar[int]
+    TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     agent_address: str
     agent_epoch: int
     pool_id: str
@@ -70,7 +71,8 @@ class KVDestination(_message.Message):
     fingerprint: LayoutFingerprint
     first_page: int
     boundary_key: int
-    def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., first_page: _Optional[int] = ..., boundary_key: _Optional[int] = ...) -> None: ...
+    tp_ranks: _containers.RepeatedCompositeFieldContainer[KVDestination]
+    def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., first_page: _Optional[int] = ..., boundary_key: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[KVDestination, _Mapping]]] = ...) -> None: ...
 
 class TransferReport(_message.Message):
     __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs", "kv_transfer_total_ms")

@@ -38,8 +38,12 @@ class WorkerConfig(ServerConfig):
                                 "role@advertise-host:port)")
     advertise_host: str = option("127.0.0.1", "address other hosts reach this worker and its "
                                               "agent at (the pod IP in Kubernetes)")
-    threads: int = option(0, "torch threads (0: this process's CPU allowance, i.e. its cores "
-                             "capped by its cgroup CPU quota, as a pod's limits set them)")
+    threads: int = option(0, "torch threads (per rank with --tp; 0: this process's CPU "
+                             "allowance, i.e. its cores capped by its cgroup CPU quota, as a "
+                             "pod's limits set them, divided among the ranks)")
+    tp: int = option(1, "tensor-parallel ranks: one process each on its share of this "
+                        "worker's cores, the model's heads and MLP split between them; it must "
+                        "divide the attention heads, the KV heads and the MLP size")
     warmup: bool = option(True, "run one throwaway request before reporting SERVING")
     prefix_cache: bool = option(True, "keep full KV pages after their request, named by a hash "
                                       "of their prefix, and reuse them for later prompts that "
@@ -57,6 +61,7 @@ class WorkerConfig(ServerConfig):
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "> 0")
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", self.max_prefill_tokens, "> 0")
         require(self.threads >= 0, "threads", self.threads, ">= 0 (0 = the CPU allowance)")
+        require(self.tp >= 1, "tp", self.tp, ">= 1")
         require(":" in self.kv_agent and not _unspecified(self.kv_agent.rpartition(":")[0]),
                 "kv_agent", self.kv_agent, "host:port of the agent")
         require(bool(self.advertise_host) and not _unspecified(self.advertise_host),

@@ -77,9 +77,15 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
     import torch
     from pdserve.engine.setup import build_engine
     from pdserve.engine.sizing import SizingError
+    from pdserve.engine.tp import RankFailed, split_cores
+    from pdserve.engine.tp_shard import ShardingError
     from pdserve.worker.warmup import warm_up
 
-    threads = cfg.threads or cpu_allowance()
+    cores = None
+    if cfg.tp > 1:  # rank 0 (this process) on the first share of the cores, the others after
+        cores = split_cores(sorted(os.sched_getaffinity(0)), cfg.tp)
+        os.sched_setaffinity(0, cores[0])
+    threads = cfg.threads or (len(cores[0]) if cores else cpu_allowance())
     torch.set_num_threads(threads)
     worker_id = worker_name(role, cfg)
     try:
@@ -89,29 +95,43 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
             max_model_len=cfg.max_model_len, chunk_size=cfg.chunk_size,
             max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
             prefix_caching=cfg.prefix_cache,
-            prompts_beside_decodes=getattr(cfg, "prompts_beside_decodes", 0))  # not prefill's
-    except SizingError as exc:  # before any pool exists: nothing to clean up
+            prompts_beside_decodes=getattr(cfg, "prompts_beside_decodes", 0),  # not prefill's
+            tp=cfg.tp, tp_cores=cores)
+    except (SizingError, ShardingError, RankFailed) as exc:  # ranks stopped, no pool left
         log.error("%s cannot start: %s", worker_id, exc)
         return 1
     log.info("%s: model %s from %s, %d pages of %d bytes, max_model_len %d, prefix cache %s, "
-             "%d torch threads on cores %s", worker_id, engine.model.model_id, model_dir,
+             "%d torch threads on cores %s%s", worker_id, engine.model.model_id, model_dir,
              engine.config.num_pages, engine.pool.page_bytes, engine.max_model_len,
              "on" if engine.config.prefix_caching else "off", threads,
-             format_cpu_list(sorted(os.sched_getaffinity(0))))
+             format_cpu_list(sorted(os.sched_getaffinity(0))),
+             f", tensor-parallel rank 0 of {cfg.tp}" if cfg.tp > 1 else "")
+    failed: list[str] = []
+    stop = [lambda: None]
+    if engine.ranks is not None:
+        def rank_died(rank: int, code: int) -> None:  # the worker cannot step without it
+            failed.append(f"tensor-parallel rank {rank} exited (code {code})")
+            log.error("%s: %s; the worker stops", worker_id, failed[-1])
+            stop[0]()
+        engine.ranks.on_death = rank_died
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)
     ready = [False]
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
-        handle = start(role, cfg.port, servicers(worker), host=cfg.host, ready=lambda: ready[0],
-                       grace_s=cfg.grace_s, on_drain=worker_drain(worker),
-                       credentials=server_credentials(cfg))
+        handle = start(role, cfg.port, servicers(worker), host=cfg.host,
+                       ready=lambda: ready[0] and not failed, grace_s=cfg.grace_s,
+                       on_drain=worker_drain(worker), credentials=server_credentials(cfg))
+        stop[0] = handle.request_stop
+        if failed:
+            handle.request_stop()
         if cfg.warmup:
             log.info("%s: warmed up in %.0f ms", worker_id, warm_up(loop, role))
         worker.register()
         ready[0] = True
         log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
-        return handle.wait()
+        handle.wait()
+        return 1 if failed else 0
     finally:
         if metrics is not None:
             metrics.close()

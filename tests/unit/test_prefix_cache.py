@@ -33,10 +33,14 @@ def test_keys_chain_and_depend_on_the_layout():
     assert page_keys(root, tokens, BS, 2) == keys[:2]  # stable, and extendable in place
     known = keys[:1]
     assert page_keys(root, tokens, BS, 3, known) is known and known == keys[:3]
-    for changed in (dict(dtype="bfloat16"), dict(block_size=32), dict(model_id="n"),
-                    dict(tp_size=2)):
+    for changed in (dict(dtype="bfloat16"), dict(block_size=32), dict(model_id="n")):
         fp = LayoutFingerprint(**{**FP.__dict__, **changed})
         assert root_key(fp) != root, changed
+    # Ranks of any tensor-parallel split hold the same tokens' KV, cut by heads: one chain, so
+    # a handoff from TP 2 to TP 1 checks its prefix boundary by the same keys.
+    split = LayoutFingerprint(**{**FP.__dict__, "num_kv_heads": FP.num_kv_heads // 2,
+                                 "tp_rank": 1, "tp_size": 2})
+    assert root_key(split) == root
 
 
 # ---- the allocator ----------------------------------------------------------------------

@@ -1,0 +1,281 @@
+"""A tensor-parallel worker's ranks: one process each, pinned to its own cores, rank 0 driving.
+
+Rank 0 is the worker process itself: it serves the gRPC API, schedules, samples, and before
+every forward hands the step's batch to the other ranks over a socket pair each (a few hundred
+bytes; the ranks rebuild the tensors). Every rank runs its shard of the model (tp_shard.py)
+over its own KV pool, which holds its KV heads (its fingerprint carries its rank), and the
+ranks sum their row-parallel partials with `torch.distributed` all-reduces (gloo on CPU, over
+loopback: all ranks of a worker share a host). The page ids are rank 0's: every rank's pool
+has the same number of pages and a step writes the same slots in each.
+
+A rank that exits fails the whole worker: rank 0's watcher sees it at once and calls
+`on_death` (the worker stops serving and exits non-zero), and a collective it was part of
+raises on the others instead of waiting (gloo sees the closed connection). Ranks 1.. exit when
+rank 0 goes away: their socket closes, and the kernel signals them if rank 0 dies (Linux).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pdserve.engine.batch import Batch
+from pdserve.engine.pool import KVPool
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+log = logging.getLogger("pdserve.engine.tp")
+PR_SET_PDEATHSIG = 1
+COLLECTIVE_TIMEOUT_S = 120.0  # a collective that long is a hung rank, not a slow one
+_LEN = struct.Struct("<Q")
+_TENSORS = ("input_ids", "positions", "query_starts", "context_lens", "block_tables",
+            "slot_pages", "slot_offsets", "last_index")
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank could not start, or exited."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs to build its shard and pool (rank 0's choices)."""
+
+    model_dir: str
+    model_id: str | None
+    dtype: str
+    device: str
+    block_size: int
+    num_pages: int
+    size: int
+    store_port: int
+    threads: int
+
+
+def split_cores(cpus: list[int], size: int) -> list[list[int]]:
+    """`cpus` cut into `size` runs as even as they go (rank r gets run r); with fewer cores
+    than ranks, ranks share them round-robin."""
+    cpus = sorted(cpus)
+    if len(cpus) < size:
+        return [[cpus[r % len(cpus)]] for r in range(size)]
+    base, extra = divmod(len(cpus), size)
+    out, start = [], 0
+    for r in range(size):
+        n = base + (r < extra)
+        out.append(cpus[start:start + n])
+        start += n
+    return out
+
+
+class Timer:
+    """All-reduce count and seconds since the last `take` (for stats and the benchmark)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seconds = 0.0
+
+    def take(self) -> tuple[int, float]:
+        calls, seconds = self.calls, self.seconds
+        self.calls, self.seconds = 0, 0.0
+        return calls, seconds
+
+
+class Group:
+    """This process's place in a worker's tensor-parallel group (`TensorParallel` in model.py)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self.timer = Timer()
+        self._peers: list[socket.socket] = []  # rank 0: a socket to each other rank
+
+    def start_step(self, batch: Batch) -> None:
+        """Rank 0: hand `batch` to every other rank."""
+        payload = pickle.dumps(tuple(getattr(batch, n).numpy() for n in _TENSORS)
+                               + (batch.max_query_len, batch.max_context, batch.block_size),
+                               protocol=5)
+        message = _LEN.pack(len(payload)) + payload
+        for peer in self._peers:
+            try:
+                peer.sendall(message)
+            except OSError as exc:
+                raise RankFailed(f"tensor-parallel rank {self._peers.index(peer) + 1} is gone "
+                                 f"({exc})") from None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        dist.all_reduce(t)
+        self.timer.seconds += time.perf_counter() - started
+        self.timer.calls += 1
+        return t
+
+
+def receive_batch(conn: socket.socket, device: torch.device) -> Batch | None:
+    """Ranks 1..: the next step's batch from rank 0 (None once rank 0 hung up)."""
+    head = _read(conn, _LEN.size)
+    if head is None:
+        return None
+    body = _read(conn, _LEN.unpack(head)[0])
+    if body is None:
+        return None
+    *arrays, max_query_len, max_context, block_size = pickle.loads(body)
+    tensors = {name: torch.from_numpy(np.asarray(a)).to(device)
+               for name, a in zip(_TENSORS, arrays)}
+    return Batch(**tensors, max_query_len=max_query_len, max_context=max_context,
+                 block_size=block_size)
+
+
+def _read(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+class Ranks:
+    """Rank 0's handle on ranks 1..N-1: started by `launch`, stopped by `close`."""
+
+    def __init__(self, group: Group, procs: list[subprocess.Popen[bytes]],
+                 pools: list[KVPool]):
+        self.group = group
+        self.procs = procs
+        self.pools = pools  # ranks 1..'s pools, made here, mapped by their ranks too
+        self._closing = False
+        self.on_death: Callable[[int, int], None] = self._log_death
+
+    @classmethod
+    def launch(cls, group: Group, spec: RankSpec, cores: list[list[int]],
+               pools: list[KVPool], *, timeout_s: float = 300.0) -> Ranks:
+        """Start ranks 1.. on `cores[1:]`, each mapping its pool of `pools` (made here, so
+        this process can hand every rank's pool to the agent), join the group with them
+        (`group` is this process, rank 0), wait until each has its shard. RankFailed naming the
+        rank that did not; the pools are closed then."""
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a worker's ranks share a host
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = TCPStore("127.0.0.1", 0, spec.size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        spec = RankSpec(**{**asdict(spec), "store_port": store.port})
+        procs: list[subprocess.Popen[bytes]] = []
+        peers: list[socket.socket] = []
+        ranks = cls(group, procs, pools)
+        try:
+            for rank, pool in enumerate(pools, start=1):
+                mine, theirs = socket.socketpair()
+                peers.append(mine)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pdserve.engine.tp_rank", str(rank),
+                     str(theirs.fileno()), str(pool.fd), json.dumps(asdict(spec))],
+                    pass_fds=(theirs.fileno(), pool.fd), preexec_fn=_rank_setup(cores[rank])))
+                theirs.close()
+            group._peers = peers
+            ranks._join(store, timeout_s)
+            for rank, peer in enumerate(peers, start=1):
+                ranks._await_ready(rank, peer, timeout_s)
+        except BaseException:
+            ranks.close()
+            raise
+        for rank, proc in enumerate(procs, start=1):
+            threading.Thread(target=ranks._watch, args=(rank, proc), daemon=True,
+                             name=f"tp-rank-{rank}-watch").start()
+        return ranks
+
+    def _join(self, store: TCPStore, timeout_s: float) -> None:
+        """init_process_group as rank 0, watching the other ranks while it waits for them."""
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(
+                    "gloo", store=store, rank=0, world_size=self.group.size,
+                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                failure.append(exc)
+
+        joiner = threading.Thread(target=join, name="tp-join", daemon=True)
+        joiner.start()
+        deadline = time.monotonic() + timeout_s
+        while joiner.is_alive():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise RankFailed(f"tensor-parallel ranks did not join within {timeout_s:.0f} s")
+            joiner.join(0.05)
+        if failure:
+            raise RankFailed(f"tensor-parallel group could not form: {failure[0]}")
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RankFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
+                                 f"code {proc.returncode} while starting; its error is above")
+
+    def _await_ready(self, rank: int, peer: socket.socket, timeout_s: float) -> None:
+        peer.settimeout(timeout_s)
+        try:
+            line = _read(peer, 1)
+        except TimeoutError:
+            raise RankFailed(f"tensor-parallel rank {rank} not ready within {timeout_s:.0f} s"
+                             ) from None
+        finally:
+            peer.settimeout(None)
+        if line != b"R":
+            self._check_alive()
+            raise RankFailed(f"tensor-parallel rank {rank} hung up while loading")
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if not self._closing:
+            self.on_death(rank, code)
+
+    @staticmethod
+    def _log_death(rank: int, code: int) -> None:
+        log.error("tensor-parallel rank %d exited (code %d)", rank, code)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every other rank (hang up, then SIGTERM, then SIGKILL) and leave the group."""
+        self._closing = True
+        for peer in self.group._peers:
+            peer.close()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for pool in self.pools:
+            pool.close()
+
+
+def _rank_setup(cpus: list[int]) -> Callable[[], None]:
+    """In a rank's process before it runs: its cores, and SIGKILL when rank 0 dies."""
+    def setup() -> None:
+        os.sched_setaffinity(0, cpus)
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    return setup

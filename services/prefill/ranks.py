@@ -1,0 +1,241 @@
+"""A handoff between tensor-parallel layouts: each head range from the prefill rank that has
+it to the decode rank that owns it.
+
+A prefill worker of TP size P holds a prompt's KV in P pools, rank r's with KV heads
+`r*K/P .. (r+1)*K/P - 1` of the model's K (every pool `[pages, layers, 2, block, heads,
+head_dim]`, the same page ids in each). A decode worker of TP size D wants it in D pools cut
+the same way by D. The handoff is one part per decode rank d, each its own Shipment (pipelined
+with prefill, its own ticket `rank_ticket(key, d)`), sent over whichever path the agents pick:
+
+- P == D: rank d's pool goes to rank d's pool as it is (no copy beyond the transport's).
+- P != D: the pages are first packed into rank d's layout, in a staging pool of this worker
+  (one strided copy, from each prefill rank holding part of d's heads), on the part's thread
+  just before it is sent; the transport then lands them straight in rank d's pages, so nothing
+  is re-laid out after arrival. A staging pool per decode TP size seen, made on first use,
+  registered with the agent like a rank's pool; its page i stages page i of the worker's
+  pools, so it needs no allocator (a page is staged only while its handoff holds it).
+
+The destination's ranks must tile the model's KV heads exactly as the layout fingerprints say
+(model, dtype, layers, head size and block equal, each rank's heads a 1/D share): checked
+before anything is sent, with a message naming both splits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+
+import torch
+from pdserve.common.errors import FailedPrecondition
+from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey, rank_ticket
+from pdserve.engine.pool import KVPool
+from pdserve.prefill.shipment import Handoff, Sends, Shipment
+from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.samehost import SameHostLane
+
+
+@dataclass
+class Source:
+    """A pool handoffs read from, as registered with the agent, and how its parts go."""
+
+    pool: KVPool
+    agent: AgentClient
+    pool_id: str
+    lane: SameHostLane | None
+
+    @property
+    def sends(self) -> Sends:
+        return self.lane or self.agent
+
+    def close(self, own_agent: bool) -> None:
+        if self.lane is not None:
+            self.lane.close()
+        if own_agent:
+            self.agent.close()
+
+
+class Sources:
+    """Rank 0's source (the worker's own registration), the other ranks', and staging pools
+    by decode TP size; `parts` plans one handoff over them."""
+
+    def __init__(self, worker_id: str, own: Source, rank_pools: list[KVPool],
+                 connect: Callable[[], AgentClient], same_host_lane: bool):
+        self.worker_id = worker_id
+        self.ranks = [own]
+        self._connect = connect
+        self._lane = same_host_lane
+        self._staging: dict[int, list[Source]] = {}
+        self._lock = threading.Lock()
+        for r, pool in enumerate(rank_pools, start=1):
+            self.ranks.append(self._register(f"{worker_id}/tp{r}", pool))
+
+    @property
+    def fingerprint(self) -> LayoutFingerprint:
+        return self.ranks[0].pool.fingerprint
+
+    def needs_ranks(self, dest: Destination) -> bool:
+        """False for the plain handoff (one pool each side): no part of this module's."""
+        fp = dest.fingerprint
+        return len(self.ranks) > 1 or bool(dest.ranks) or (fp is not None and fp.tp_size > 1)
+
+    def parts(self, dest: Destination) -> list[tuple[Source, Destination, Callable[[list[int]],
+                                                                                  None] | None]]:
+        """Per decode rank: the source to send from, the rank's destination, and the packing
+        to run on the pages before they go (None: sent as they are)."""
+        dests = dest.per_rank()
+        check_tiling(self.fingerprint, len(self.ranks), dests)
+        if len(dests) == len(self.ranks):
+            return [(src, d, None) for src, d in zip(self.ranks, dests)]
+        staging = self._staging_for(len(dests))
+        sources = [s.pool.tensor for s in self.ranks]
+        return [(stage, d, _packer(sources, stage.pool.tensor, rank, len(dests)))
+                for rank, (stage, d) in enumerate(zip(staging, dests))]
+
+    def _staging_for(self, size: int) -> list[Source]:
+        with self._lock:
+            if size not in self._staging:
+                fp = self.fingerprint
+                heads = fp.num_kv_heads * fp.tp_size // size
+                pages = self.ranks[0].pool.num_pages
+                self._staging[size] = [
+                    self._register(f"{self.worker_id}/stage{size}.{d}",
+                                   KVPool(replace(fp, num_kv_heads=heads, tp_rank=d,
+                                                  tp_size=size), pages))
+                    for d in range(size)]
+            return self._staging[size]
+
+    def _register(self, name: str, pool: KVPool) -> Source:
+        source = Source(pool, self._connect(), "", None)
+
+        def registered(pool_id: str, _epoch: int) -> None:
+            source.pool_id = pool_id  # again after an agent restart
+        source.pool_id, _ = source.agent.register_pool(
+            name, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
+            on_registered=registered)
+        if self._lane:
+            source.lane = SameHostLane(source.agent, pool.fd, pool.num_pages, pool.page_bytes,
+                                       pool.fingerprint, name)
+        return source
+
+    def close(self) -> None:
+        """Everything but rank 0's source (the worker's own)."""
+        for source in self.ranks[1:]:
+            source.close(own_agent=True)
+        for staging in self._staging.values():
+            for source in staging:
+                source.close(own_agent=True)
+                source.pool.close()
+
+
+def check_tiling(mine: LayoutFingerprint, my_ranks: int, dests: Sequence[Destination]) -> None:
+    """FailedPrecondition unless `dests` are the ranks 0..D-1 of one layout like this worker's
+    whose KV heads, 1/D each, tile the same heads as this worker's ranks do."""
+    total = mine.num_kv_heads * my_ranks
+    size = len(dests)
+    for d, dest in enumerate(dests):
+        fp = dest.fingerprint
+        if fp is None:
+            raise FailedPrecondition("the decode side's destination names no layout for rank "
+                                     f"{d} of its {size} tensor-parallel ranks")
+        same = replace(fp, num_kv_heads=mine.num_kv_heads, tp_rank=mine.tp_rank,
+                       tp_size=mine.tp_size)
+        diffs = mine.mismatches(same)
+        if diffs:
+            raise FailedPrecondition("layout mismatch between this prefill worker's pools and "
+                                     f"the decode side's rank {d}: " + "; ".join(diffs))
+        if fp.tp_rank != d or fp.tp_size != size or fp.num_kv_heads * size != total:
+            raise FailedPrecondition(
+                f"the decode side's tensor-parallel pools do not tile the model's {total} KV "
+                f"heads: its pool {d} of {size} is rank {fp.tp_rank} of {fp.tp_size} holding "
+                f"{fp.num_kv_heads} heads (this prefill worker: {my_ranks} ranks of "
+                f"{mine.num_kv_heads} heads)")
+
+
+def _packer(sources: list[torch.Tensor], stage: torch.Tensor, rank: int, size: int
+            ) -> Callable[[list[int]], None]:
+    """Copy decode rank `rank`'s heads of the given pages from the prefill ranks' pools into
+    `stage` (same page ids)."""
+    per_source = sources[0].shape[-2]
+    per_rank = per_source * len(sources) // size
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    cuts = [(src, max(lo, s * per_source), min(hi, (s + 1) * per_source), s * per_source)
+            for s, src in enumerate(sources)]
+    cuts = [c for c in cuts if c[1] < c[2]]
+
+    def pack(pages: list[int]) -> None:
+        for start, n in _runs(pages):
+            for src, a, b, base in cuts:
+                stage[start:start + n, ..., a - lo:b - lo, :].copy_(
+                    src[start:start + n, ..., a - base:b - base, :])
+    return pack
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """[5, 6, 7, 2, 3] -> [(5, 3), (2, 2)]."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
+
+
+class Packed:
+    """`Sends` that packs each part's pages into its staging pool first."""
+
+    def __init__(self, inner: Sends, pack: Callable[[list[int]], None]):
+        self._inner = inner
+        self._pack = pack
+
+    def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
+             destination: Destination, timeout_s: float) -> Handoff:
+        self._pack(src_page_ids)
+        return self._inner.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
+
+
+class RankShipments:
+    """One Shipment per decode rank, driven as one (the prefill worker's `Shipment`)."""
+
+    def __init__(self, sources: Sources, ticket: TicketKey, destination: Destination,
+                 timeout_s: float, parts: Executor, finishers: Executor):
+        self._finishers = finishers
+        self._shipments = [
+            Shipment(Packed(src.sends, pack) if pack else src.sends, rank_ticket(ticket, rank),
+                     src.pool_id, dest, timeout_s, parts)
+            for rank, (src, dest, pack) in enumerate(sources.parts(destination))]
+
+    def ship(self, complete_pages: list[int]) -> None:
+        for shipment in self._shipments:
+            shipment.ship(complete_pages)
+
+    def finish(self, all_pages: list[int], kv_ready: float) -> TransferReport:
+        """Every rank's rest at once; the handoff ends when the last rank's pages are in."""
+        others = [self._finishers.submit(s.finish, all_pages, kv_ready)
+                  for s in self._shipments[1:]]
+        reports, error = [], None
+        try:
+            reports.append(self._shipments[0].finish(all_pages, kv_ready))
+        except BaseException as exc:
+            error = exc
+            self.cancel()
+        for future in others:
+            try:
+                reports.append(future.result())
+            except BaseException as exc:
+                error = error or exc
+                self.cancel()
+        if error is not None:
+            raise error
+        first = reports[0]
+        return TransferReport(max(r.handoff_ms for r in reports), sum(r.kv_bytes for r in reports),
+                              first.kv_pages, first.transport, sum(r.num_runs for r in reports),
+                              max(r.total_ms for r in reports))
+
+    def cancel(self) -> None:
+        for shipment in self._shipments:
+            shipment.cancel()
