@@ -40,6 +40,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "router": ("pdserve.bench.router",
                "one router process in front of N simulated workers: req/s, router CPU per "
                "request and token, router-added latency, discovery, workers vanishing"),
+    "tp": ("pdserve.bench.tp",
+           "a long prompt's prefill with tensor parallelism (TP 2 on two cores) against TP 1 "
+           "on one core and on both, with the all-reduce time"),
     "serve": ("pdserve.bench.loadgen.main",
               "latency, throughput and goodput of a deployment (gRPC or OpenAI API), side by "
               "side"),
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(BENCHES, "pdserve bench", argv[1:])
     if argv and argv[0] == "model":
         return _dispatch({"model": COMMANDS["model"]}, "pdserve", argv)
-    table = {**COMMANDS, "bench": ("", "benchmarks: pdserve bench engine|kv|handoff|router|serve")}
+    table = {**COMMANDS,
+             "bench": ("", "benchmarks: pdserve bench engine|kv|handoff|router|tp|serve")}
     return _dispatch(table, "pdserve", argv)
 
 

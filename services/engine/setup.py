@@ -59,13 +59,15 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
                  max_model_len: int = 0, chunk_size: int = 512, max_num_seqs: int = 256,
                  max_prefill_tokens: int = 2048, prefix_caching: bool = True,
                  prompts_beside_decodes: int = 0, tp: int = 1,
-                 tp_cores: list[list[int]] | None = None) -> tuple[Engine, Path]:
+                 tp_cores: list[list[int]] | None = None, tp_threads: int = 0
+                 ) -> tuple[Engine, Path]:
     """The engine of a worker. Its pool holds at least one full-context sequence: sized so
     (kv_cache_mb 0 and num_pages 0), or checked (ValueError naming both numbers).
 
     With `tp` > 1 this process is rank 0 of `tp` (tp.py): the other ranks start on
-    `tp_cores[1:]` (default: this process's cores split evenly), each with its shard and a
-    pool of as many pages as this one's (kv_cache_mb is per rank). ShardingError when `tp`
+    `tp_cores[1:]` (default: this process's cores split evenly) with `tp_threads` torch
+    threads each (0: as many as its cores), each with its shard and a pool of as many pages as
+    this one's (kv_cache_mb is per rank). ShardingError when `tp`
     does not divide the model's heads."""
     ref = resolve_model_name(model)
     directory = model_dir(ref)
@@ -85,7 +87,7 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
     if group is not None:
         cores = tp_cores or split_cores(sorted(os.sched_getaffinity(0)), tp)
         spec = RankSpec(str(directory), model_id, dtype, device, block_size, plan.num_pages,
-                        tp, 0, max(1, len(cores[1])))
+                        tp, 0, tp_threads or max(1, len(cores[1])))
         log.info("starting tensor-parallel ranks 1..%d on cores %s", tp - 1,
                  "; ".join(format_cpu_list(c) for c in cores[1:]))
         fp = loaded.fingerprint(block_size)

@@ -104,18 +104,18 @@ class Sources:
                 self._staging[size] = [
                     self._register(f"{self.worker_id}/stage{size}.{d}",
                                    KVPool(replace(fp, num_kv_heads=heads, tp_rank=d,
-                                                  tp_size=size), pages))
+                                                  tp_size=size), pages), populate=False)
                     for d in range(size)]
             return self._staging[size]
 
-    def _register(self, name: str, pool: KVPool) -> Source:
+    def _register(self, name: str, pool: KVPool, populate: bool = True) -> Source:
         source = Source(pool, self._connect(), "", None)
 
         def registered(pool_id: str, _epoch: int) -> None:
             source.pool_id = pool_id  # again after an agent restart
         source.pool_id, _ = source.agent.register_pool(
             name, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
-            on_registered=registered)
+            on_registered=registered, populate=populate)
         if self._lane:
             source.lane = SameHostLane(source.agent, pool.fd, pool.num_pages, pool.page_bytes,
                                        pool.fingerprint, name)

@@ -85,7 +85,9 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
     if cfg.tp > 1:  # rank 0 (this process) on the first share of the cores, the others after
         cores = split_cores(sorted(os.sched_getaffinity(0)), cfg.tp)
         os.sched_setaffinity(0, cores[0])
-    threads = cfg.threads or (len(cores[0]) if cores else cpu_allowance())
+    # Per rank: the CPU allowance (cgroup quota included, as a pod's limits set it) shared out.
+    threads = cfg.threads or (max(1, min(len(cores[0]), cpu_allowance() // cfg.tp)) if cores
+                              else cpu_allowance())
     torch.set_num_threads(threads)
     worker_id = worker_name(role, cfg)
     try:
@@ -96,7 +98,7 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
             max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
             prefix_caching=cfg.prefix_cache,
             prompts_beside_decodes=getattr(cfg, "prompts_beside_decodes", 0),  # not prefill's
-            tp=cfg.tp, tp_cores=cores)
+            tp=cfg.tp, tp_cores=cores, tp_threads=threads)
     except (SizingError, ShardingError, RankFailed) as exc:  # ranks stopped, no pool left
         log.error("%s cannot start: %s", worker_id, exc)
         return 1

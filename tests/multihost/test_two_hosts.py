@@ -81,3 +81,36 @@ def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, referen
         assert data_rx >= kv_bytes, f"only {data_rx} of {kv_bytes} KV bytes crossed the data link"
         assert data_rx <= 1.25 * kv_bytes + 256 * 1024, f"{data_rx} bytes for {kv_bytes} of KV"
         assert control_rx < kv_bytes / 2, f"{control_rx} control bytes for {kv_bytes} of KV"
+
+
+@pytest.mark.parametrize("transport,prefill_tp,decode_tp", [("tcp", 2, 1), ("ucx", 1, 2)])
+def test_a_handoff_between_tp_splits_crosses_the_link_token_exact(hosts, transport, prefill_tp,
+                                                                  decode_tp, reference,
+                                                                  tiny_model_dir):
+    """A prefill worker of one TP size on host A, a decode worker of another on host B (each
+    rank a process of its own, its ranks' all-reduces on its host's loopback): every head range
+    crosses the data link to the decode rank that owns it, and the output stays exact."""
+    ns_a, _, ip_a, _, _ = hosts["A"]
+    ns_b, _, _, data_b, _ = hosts["B"]
+    extra = {"prefill": ("--tp", str(prefill_tp)), "decode": ("--tp", str(decode_tp))}
+    with two_host_stack(hosts, transport, tiny_model_dir, extra) as running:
+        before = rx_bytes(ns_b, data_b)
+        prompts = [PROMPTS[3], PROMPTS[-1]]
+        done = subprocess.run(in_ns(ns_a, sys.executable, "-c", DRIVER, f"{ip_a}:50051",
+                                    json.dumps(prompts), str(MAX_TOKENS)),
+                              capture_output=True, text=True, timeout=300)
+        logs = logs_of(running)
+        assert done.returncode == 0, done.stderr + logs
+        data_rx = rx_bytes(ns_b, data_b) - before
+    tok, refs = reference
+    kv_bytes = 0
+    for prompt, line in zip(prompts, done.stdout.splitlines()):
+        msgs = json.loads(line)
+        ids = [int(t) for m in msgs if "delta" in m for t in m["delta"].get("token_ids", [])]
+        timing = next(m["timing"] for m in msgs if "timing" in m)
+        assert ids == refs[prompt][1], (prompt, logs)
+        assert timing["kv_transport"] == transport
+        n_prompt = refs[prompt][0]
+        assert int(timing["kv_bytes"]) == -(-n_prompt // 16) * 16 * KV_BYTES_PER_TOKEN
+        kv_bytes += int(timing["kv_bytes"])
+    assert data_rx >= kv_bytes, f"only {data_rx} of {kv_bytes} KV bytes crossed the data link"

@@ -48,7 +48,13 @@ PATHS = {  # stack -> extra `pdserve up` flags
     "tcp": ("--transport", "tcp", "--no-same-host-copy"),
     "nopipe": ("--no-pipeline-handoff",),
     "agent": ("--no-same-host-lane",),
+    # Between tensor-parallel splits (prefill TP -> decode TP), unpipelined like `nopipe`, the
+    # 1 -> 1 baseline they are compared with: the handoff alone, after prefill.
+    "tp2-1": ("--no-pipeline-handoff", "--prefill-tp", "2"),
+    "tp1-2": ("--no-pipeline-handoff", "--decode-tp", "2"),
+    "tp2-2": ("--no-pipeline-handoff", "--prefill-tp", "2", "--decode-tp", "2"),
 }
+TP_TARGET = 0.8  # a handoff between splits, in bandwidth, against nopipe's (>= 16 MiB)
 ONE_PAGE_TARGET_MS = 1.0
 EXPOSED_TARGET = 0.2
 
@@ -179,9 +185,14 @@ def run(args: argparse.Namespace) -> list[Result]:
     return results
 
 
+def gbps(r: Result) -> float:
+    """The handoff's bandwidth: bytes over the time spent moving them (medians)."""
+    return r.samples[0].kv_bytes / max(r.median("kv_transfer_total_ms"), 1e-9) / 1e6
+
+
 def report(results: list[Result]) -> str:
     head = (f"{'path':>7} {'tokens':>6} {'pages':>5} {'MiB':>7} {'via':>4} "
-            f"{'kv_transfer p50':>15} {'p90':>7} {'total p50':>9} {'exposed':>7} "
+            f"{'kv_transfer p50':>15} {'p90':>7} {'total p50':>9} {'GB/s':>6} {'exposed':>7} "
             f"{'prefill p50':>11} {'ttft p50':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
@@ -190,7 +201,7 @@ def report(results: list[Result]) -> str:
         lines.append(f"{r.path:>7} {r.prompt_tokens:>6} {s.kv_pages:>5} "
                      f"{s.kv_bytes / 2**20:>7.2f} {s.kv_transport:>4} "
                      f"{r.median('kv_transfer_ms'):>15.3f} {r.p('kv_transfer_ms', 0.9):>7.3f} "
-                     f"{r.median('kv_transfer_total_ms'):>9.3f} {exposed:>7.2f} "
+                     f"{r.median('kv_transfer_total_ms'):>9.3f} {gbps(r):>6.2f} {exposed:>7.2f} "
                      f"{r.median('prefill_ms'):>11.1f} {r.median('ttft_ms'):>8.1f}")
     lines.append("ms; kv_transfer: KV ready on prefill -> resident on decode, as the router "
                  "reports it; total: time spent moving pages (all parts); exposed = "
@@ -205,6 +216,14 @@ def report(results: list[Result]) -> str:
             lines.append(f"target one-page kv_transfer_ms p50 <= {ONE_PAGE_TARGET_MS:g} ms "
                          f"({r.path}, {r.samples[0].kv_transport}): {got:.3f} ms "
                          f"{'ok' if got <= ONE_PAGE_TARGET_MS else 'ABOVE'}")
+        elif r.path.startswith("tp"):
+            base = next((b for b in results if b.path == "nopipe"
+                         and b.prompt_tokens == r.prompt_tokens), None)
+            if base is not None and r.samples[0].kv_bytes >= 16 << 20:
+                ratio = gbps(r) / max(gbps(base), 1e-9)
+                lines.append(f"target {r.path} handoff >= {TP_TARGET}x nopipe's (1 -> 1) "
+                             f"bandwidth at {r.samples[0].kv_bytes / 2**20:.0f} MiB: {ratio:.2f}x "
+                             f"{'ok' if ratio >= TP_TARGET else 'BELOW'}")
         elif r.path != "nopipe":
             share = r.median("kv_transfer_ms") / max(r.median("kv_transfer_total_ms"), 1e-9)
             lines.append(f"target {r.prompt_tokens}-token prompts: exposed handoff <= "
