@@ -2,9 +2,10 @@
 
 A step is one forward over one token of every running sequence (continuous batching) and,
 under the step's token budget (`max_prefill_tokens`, decode tokens included), chunks of
-prompts whose KV is not in pages yet: chunked prefill rides along with decode (as in Sarathi
-and vLLM), so a long prompt costs the running sequences one chunk per step instead of
-stalling them until it is done, and a new prompt starts at the next step.
+prompts whose KV is not in pages yet: chunked prefill rides along with decode (Sarathi, vLLM),
+so a long prompt costs the running sequences one chunk per step, not a stall until it is done.
+With tensor parallelism the model is rank 0's shard, driving the other `ranks` (tp.py), and
+every rank's pool (`rank_pools`) shares the page ids of this one, rank 0's.
 Roles: `colocated` does both phases; `prefill` stops each sequence after its first token and
 keeps its pages for the handoff; `decode` admits sequences whose prompt KV was written into
 reserved pages by someone else.
@@ -81,10 +82,11 @@ class Engine:
     def __init__(self, model: PagedCausalLM, config: EngineConfig, *, device: str = "cpu",
                  eos_token_ids: Iterable[int] = (), ranks: Ranks | None = None):
         self.model = model
-        self.ranks = ranks  # tensor parallelism: the other ranks (this process is rank 0)
+        self.ranks = ranks
         self.config = config
         self.device = torch.device(device)
         self.pool = KVPool(model.fingerprint(config.block_size), config.num_pages, device)
+        self.rank_pools = [self.pool, *(ranks.pools if ranks is not None else ())]
         self.allocator = PageAllocator(config.num_pages, caching=config.prefix_caching)
         self.prefix = PrefixCache(self.allocator, self.pool.fingerprint,
                                   enabled=config.prefix_caching)
@@ -96,11 +98,6 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stalled = False  # the last step found work but could run none of it
         self.num_preemptions = 0  # running sequences sent back to be recomputed (out of pages)
-
-    @property
-    def rank_pools(self) -> list[KVPool]:
-        """Every tensor-parallel rank's pool, rank 0's (this one) first."""
-        return [self.pool, *(self.ranks.pools if self.ranks is not None else ())]
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -142,11 +139,8 @@ class Engine:
 
     def reserve(self, owner: Hashable, num_prompt_tokens: int) -> list[int]:
         """Decode role: pages for a prompt's KV before it is prefilled elsewhere, held under
-        `owner` (a reservation key, never a sequence id) until `adopt`ed or freed.
-
-        OutOfPages when the pages are not free, or when `max_num_seqs` sequences are already
-        running, waiting or reserved.
-        """
+        `owner` (a reservation key, never a sequence id) until `adopt`ed or freed. OutOfPages
+        when the pages are not free, or `max_num_seqs` sequences run, wait or are reserved."""
         return self._take_reservation(owner, num_prompt_tokens, [])
 
     def reserve_prompt(self, owner: Hashable, prompt_ids: list[int], *,
@@ -247,8 +241,7 @@ class Engine:
 
     @property
     def queued_prompt_tokens(self) -> int:
-        # A copy (one C call, atomic): Stats and metrics read this from other threads while
-        # the loop thread changes the queue, and iterating a changing deque raises.
+        # A copy (one C call, atomic): other threads read this while the loop changes the queue.
         return sum(s.num_tokens - s.num_cached for s in self.waiting.copy())
 
     # ---- stepping --------------------------------------------------------------------
@@ -401,6 +394,6 @@ class Engine:
         self.seqs.pop(seq.seq_id, None)
 
     def close(self) -> None:
-        if self.ranks is not None:
-            self.ranks.close()
-        self.pool.close()
+        for closing in (self.ranks, self.pool):
+            if closing is not None:
+                closing.close()
