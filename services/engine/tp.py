@@ -21,7 +21,6 @@ import datetime
 import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import struct
@@ -105,10 +104,7 @@ class Group:
 
     def start_step(self, batch: Batch) -> None:
         """Rank 0: hand `batch` to every other rank."""
-        payload = pickle.dumps(tuple(getattr(batch, n).numpy() for n in _TENSORS)
-                               + (batch.max_query_len, batch.max_context, batch.block_size),
-                               protocol=5)
-        message = _LEN.pack(len(payload)) + payload
+        message = encode_batch(batch)
         for peer in self._peers:
             try:
                 peer.sendall(message)
@@ -124,6 +120,19 @@ class Group:
         return t
 
 
+def encode_batch(batch: Batch) -> bytes:
+    """A batch as int64s, length first: (S, N, max_pages, max_query_len, max_context,
+    block_size), then its tensors in `_TENSORS` order (no pickle: ranks take nothing they
+    would execute)."""
+    tables = batch.block_tables
+    head = [batch.num_seqs, batch.num_tokens, int(tables.shape[1]), batch.max_query_len,
+            batch.max_context, batch.block_size]
+    body = np.concatenate([np.asarray(head, dtype=np.int64),
+                           *(getattr(batch, n).numpy().astype(np.int64, copy=False).ravel()
+                             for n in _TENSORS)])
+    return _LEN.pack(body.nbytes) + body.tobytes()
+
+
 def receive_batch(conn: socket.socket, device: torch.device) -> Batch | None:
     """Ranks 1..: the next step's batch from rank 0 (None once rank 0 hung up)."""
     head = _read(conn, _LEN.size)
@@ -132,9 +141,19 @@ def receive_batch(conn: socket.socket, device: torch.device) -> Batch | None:
     body = _read(conn, _LEN.unpack(head)[0])
     if body is None:
         return None
-    *arrays, max_query_len, max_context, block_size = pickle.loads(body)
-    tensors = {name: torch.from_numpy(np.asarray(a)).to(device)
-               for name, a in zip(_TENSORS, arrays)}
+    values = np.frombuffer(body, dtype=np.int64)
+    s, n, max_pages, max_query_len, max_context, block_size = (int(v) for v in values[:6])
+    sizes = {"input_ids": (n,), "positions": (n,), "query_starts": (s + 1,),
+             "context_lens": (s,), "block_tables": (s, max_pages), "slot_pages": (n,),
+             "slot_offsets": (n,), "last_index": (s,)}
+    tensors, at = {}, 6
+    for name in _TENSORS:
+        count = int(np.prod(sizes[name]))
+        tensors[name] = torch.from_numpy(values[at:at + count].reshape(sizes[name]).copy()
+                                         ).to(device)
+        at += count
+    if at != len(values):
+        raise RankFailed(f"a batch from rank 0 of {len(values)} values, expected {at}")
     return Batch(**tensors, max_query_len=max_query_len, max_context=max_context,
                  block_size=block_size)
 

@@ -23,11 +23,13 @@ before anything is sent, with a message naming both splits.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 import torch
+from pdserve.common import tracing
 from pdserve.common.errors import FailedPrecondition
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
@@ -191,10 +193,13 @@ class Packed:
     def __init__(self, inner: Sends, pack: Callable[[list[int]], None]):
         self._inner = inner
         self._pack = pack
+        self.pack_s = 0.0  # packing time, all parts
 
     def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
              destination: Destination, timeout_s: float) -> Handoff:
+        started = time.perf_counter()
         self._pack(src_page_ids)
+        self.pack_s += time.perf_counter() - started
         return self._inner.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
 
 
@@ -204,10 +209,13 @@ class RankShipments:
     def __init__(self, sources: Sources, ticket: TicketKey, destination: Destination,
                  timeout_s: float, parts: Executor, finishers: Executor):
         self._finishers = finishers
+        self._prefill_tp = len(sources.ranks)
+        planned = sources.parts(destination)
+        self._packed = [Packed(src.sends, pack) if pack else None for src, _, pack in planned]
         self._shipments = [
-            Shipment(Packed(src.sends, pack) if pack else src.sends, rank_ticket(ticket, rank),
-                     src.pool_id, dest, timeout_s, parts)
-            for rank, (src, dest, pack) in enumerate(sources.parts(destination))]
+            Shipment(packed or src.sends, rank_ticket(ticket, rank), src.pool_id, dest,
+                     timeout_s, parts)
+            for rank, ((src, dest, _), packed) in enumerate(zip(planned, self._packed))]
 
     def ship(self, complete_pages: list[int]) -> None:
         for shipment in self._shipments:
@@ -231,6 +239,7 @@ class RankShipments:
                 self.cancel()
         if error is not None:
             raise error
+        self._trace(reports)
         first = reports[0]
         return TransferReport(max(r.handoff_ms for r in reports), sum(r.kv_bytes for r in reports),
                               first.kv_pages, first.transport, sum(r.num_runs for r in reports),
@@ -239,3 +248,21 @@ class RankShipments:
     def cancel(self) -> None:
         for shipment in self._shipments:
             shipment.cancel()
+
+    def _trace(self, reports: list[TransferReport]) -> None:
+        """A kv.rank_handoff span per decode rank under the request's: what went from which
+        prefill ranks to it, how, and how long it took (its parts' time, packing included)."""
+        if not tracing.enabled():
+            return
+        now, size = time.time_ns(), len(reports)
+        for rank, (report, packed) in enumerate(zip(reports, self._packed)):
+            pack_ms = packed.pack_s * 1e3 if packed else 0.0
+            s = tracing.start_span(
+                "kv.rank_handoff", start_time_ns=now - int((report.total_ms + pack_ms) * 1e6),
+                decode_rank=rank, decode_tp=size, prefill_tp=self._prefill_tp,
+                source=f"packed from prefill ranks {rank * self._prefill_tp // size}.."
+                f"{((rank + 1) * self._prefill_tp - 1) // size}" if packed
+                else f"prefill rank {rank}'s pool", pack_ms=pack_ms, kv_bytes=report.kv_bytes,
+                kv_pages=report.kv_pages, kv_transport=report.transport,
+                handoff_ms=report.handoff_ms, total_ms=report.total_ms)
+            s.end(end_time=now)

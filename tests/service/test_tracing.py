@@ -288,3 +288,24 @@ def test_the_colocated_worker_is_traced_under_its_own_name(receiver, tiny_model_
     assert {x.service for x in mine} == {"pdserve-router", "pdserve-colocated"}
     assert len({x.trace_id for x in mine}) == 1
     assert not [x for x in mine if x.name.startswith("kv.")]  # no handoff between agents
+
+
+def test_a_handoff_between_tp_splits_shows_each_rank_pair(receiver, tiny_model_dir):
+    """Prefill TP 2 -> decode TP 1: one kv.rank_handoff span under prefill.request names where
+    the decode rank's heads came from (packed from prefill ranks 0..1), and the parts' kv.send
+    / kv.receive spans are in the same trace."""
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with pdserve_stack("--otlp-endpoint", f"127.0.0.1:{receiver.port}", "--prefill-tp", "2",
+                       env=env) as s:
+        rid = "trace-tp-" + secrets.token_hex(4)
+        _, _, timing, _ = collect(s.generate(request_id=rid, prompt="def fibonacci(n):",
+                                             max_tokens=4, temperature=0.0, ignore_eos=True))
+        spans = _trace_of(receiver, rid)
+    by_id = {sp.span_id: sp for sp in spans}
+    rank = _one(spans, "kv.rank_handoff")
+    assert by_id[rank.parent_span_id].name == "prefill.request"
+    assert rank.attributes["prefill_tp"] == 2 and rank.attributes["decode_tp"] == 1
+    assert rank.attributes["decode_rank"] == 0
+    assert rank.attributes["source"] == "packed from prefill ranks 0..1"
+    assert rank.attributes["kv_bytes"] == timing.kv_bytes > 0
+    assert rank.attributes["pack_ms"] > 0
