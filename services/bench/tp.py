@@ -38,7 +38,7 @@ def measure(config: str, model: str, prompts: list[int], reps: int, chunk: int) 
     os.sched_setaffinity(0, cores[:1] if config != "tp1-2cores" else cores)
     torch.set_num_threads(2 if config == "tp1-2cores" else 1)
     engine, _ = build_engine(model, role="prefill", num_pages=max(prompts) // 16 + 8,
-                             max_model_len=max(prompts) + 16, chunk_size=chunk,
+                             max_model_len=max(prompts) + 1, chunk_size=chunk,
                              max_prefill_tokens=chunk, prefix_caching=False, tp=tp,
                              tp_cores=[cores[:1], cores[1:2]] if tp == 2 else None)
     rng = random.Random(0)
@@ -117,7 +117,9 @@ def report(results: dict[str, dict[str, Any]], prompts: list[int]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve bench tp", description=__doc__)
     p.add_argument("--model", default="bench-152m", help="built-in size or a model directory")
-    p.add_argument("--prompts", default="1024,2048,4096", help="prompt lengths, comma-separated")
+    p.add_argument("--prompts", default="1024,2048,4000",
+                   help="prompt lengths, comma-separated (each below the model's context: "
+                   "bench-152m's is 4,096)")
     p.add_argument("--reps", type=int, default=2, help="prefills per prompt length per round")
     p.add_argument("--rounds", type=int, default=2, help="times the three configs alternate")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (as the workers)")

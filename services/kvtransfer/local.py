@@ -177,10 +177,7 @@ class LocalServer:
             for fd in fds:
                 os.close(fd)
             raise
-        # Populated (every page faulted in now) unless the worker asks otherwise (a prefill
-        # worker's staging pool for handoffs to another TP split, touched only as used).
-        segment = map_fd(fds[0], num_pages, page_bytes,  # owns the descriptor
-                         populate=bool(m.get("populate", True)))
+        segment = map_fd(fds[0], num_pages, page_bytes, populate=True)  # owns the descriptor
         pool = self._agent.add_pool(worker_id, segment, num_pages, page_bytes, fingerprint)
         c.pools.append(pool.pool_id)
         return {"pool_id": pool.pool_id, "agent_epoch": self._agent.epoch,

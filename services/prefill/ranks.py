@@ -8,12 +8,10 @@ the same way by D. The handoff is one part per decode rank d, each its own Shipm
 with prefill, its own ticket `rank_ticket(key, d)`), sent over whichever path the agents pick:
 
 - P == D: rank d's pool goes to rank d's pool as it is (no copy beyond the transport's).
-- P != D: the pages are first packed into rank d's layout, in a staging pool of this worker
-  (one strided copy, from each prefill rank holding part of d's heads), on the part's thread
-  just before it is sent; the transport then lands them straight in rank d's pages, so nothing
-  is re-laid out after arrival. A staging pool per decode TP size seen, made on first use,
-  registered with the agent like a rank's pool; its page i stages page i of the worker's
-  pools, so it needs no allocator (a page is staged only while its handoff holds it).
+- P != D: the pages go in pieces, each packed into rank d's layout in a small staging pool
+  first (one strided copy, from each prefill rank holding part of d's heads; the next piece
+  packed while one is on its way: staging.py); the transport then lands them straight in rank
+  d's pages, so nothing is re-laid out after arrival.
 
 The destination's ranks must tile the model's KV heads exactly as the layout fingerprints say
 (model, dtype, layers, head size and block equal, each rank's heads a 1/D share): checked
@@ -25,17 +23,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-import torch
 from pdserve.common import tracing
 from pdserve.common.errors import FailedPrecondition
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey, rank_ticket
 from pdserve.engine.pool import KVPool
-from pdserve.prefill.shipment import Handoff, Sends, Shipment
+from pdserve.prefill.shipment import Sends, Shipment
+from pdserve.prefill.staging import Packed, Staging, packer, staging_pages
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.samehost import SameHostLane
 
@@ -52,6 +50,9 @@ class Source:
     @property
     def sends(self) -> Sends:
         return self.lane or self.agent
+
+    def current_pool_id(self) -> str:
+        return self.pool_id  # a new one after an agent restart
 
     def close(self, own_agent: bool) -> None:
         if self.lane is not None:
@@ -70,8 +71,9 @@ class Sources:
         self.ranks = [own]
         self._connect = connect
         self._lane = same_host_lane
-        self._staging: dict[int, list[Source]] = {}
+        self._staging: dict[int, list[tuple[Source, Staging]]] = {}
         self._lock = threading.Lock()
+        self._ahead = ThreadPoolExecutor(2, thread_name_prefix="kv-pack")
         for r, pool in enumerate(rank_pools, start=1):
             self.ranks.append(self._register(f"{worker_id}/tp{r}", pool))
 
@@ -84,40 +86,43 @@ class Sources:
         fp = dest.fingerprint
         return len(self.ranks) > 1 or bool(dest.ranks) or (fp is not None and fp.tp_size > 1)
 
-    def parts(self, dest: Destination) -> list[tuple[Source, Destination, Callable[[list[int]],
-                                                                                  None] | None]]:
-        """Per decode rank: the source to send from, the rank's destination, and the packing
-        to run on the pages before they go (None: sent as they are)."""
+    def parts(self, dest: Destination) -> list[tuple[Source, Destination, Packed | None]]:
+        """Per decode rank: the source to send from, the rank's destination, and its packing
+        through a staging pool (None: the pages are sent as they are)."""
         dests = dest.per_rank()
         check_tiling(self.fingerprint, len(self.ranks), dests)
         if len(dests) == len(self.ranks):
             return [(src, d, None) for src, d in zip(self.ranks, dests)]
-        staging = self._staging_for(len(dests))
         sources = [s.pool.tensor for s in self.ranks]
-        return [(stage, d, _packer(sources, stage.pool.tensor, rank, len(dests)))
-                for rank, (stage, d) in enumerate(zip(staging, dests))]
+        out: list[tuple[Source, Destination, Packed | None]] = []
+        for rank, ((stage, free), d) in enumerate(zip(self._staging_for(len(dests)), dests)):
+            out.append((stage, d, Packed(stage.sends, stage.current_pool_id, free,
+                                         packer(sources, stage.pool.tensor, rank, len(dests)),
+                                         stage.pool.page_bytes, self._ahead)))
+        return out
 
-    def _staging_for(self, size: int) -> list[Source]:
+    def _staging_for(self, size: int) -> list[tuple[Source, Staging]]:
         with self._lock:
             if size not in self._staging:
                 fp = self.fingerprint
                 heads = fp.num_kv_heads * fp.tp_size // size
-                pages = self.ranks[0].pool.num_pages
-                self._staging[size] = [
-                    self._register(f"{self.worker_id}/stage{size}.{d}",
-                                   KVPool(replace(fp, num_kv_heads=heads, tp_rank=d,
-                                                  tp_size=size), pages), populate=False)
-                    for d in range(size)]
+                made = []
+                for d in range(size):
+                    layout = replace(fp, num_kv_heads=heads, tp_rank=d, tp_size=size)
+                    pages = staging_pages(layout.page_bytes)
+                    made.append((self._register(f"{self.worker_id}/stage{size}.{d}",
+                                                KVPool(layout, pages)), Staging(pages)))
+                self._staging[size] = made
             return self._staging[size]
 
-    def _register(self, name: str, pool: KVPool, populate: bool = True) -> Source:
+    def _register(self, name: str, pool: KVPool) -> Source:
         source = Source(pool, self._connect(), "", None)
 
         def registered(pool_id: str, _epoch: int) -> None:
             source.pool_id = pool_id  # again after an agent restart
         source.pool_id, _ = source.agent.register_pool(
             name, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
-            on_registered=registered, populate=populate)
+            on_registered=registered)
         if self._lane:
             source.lane = SameHostLane(source.agent, pool.fd, pool.num_pages, pool.page_bytes,
                                        pool.fingerprint, name)
@@ -127,8 +132,9 @@ class Sources:
         """Everything but rank 0's source (the worker's own)."""
         for source in self.ranks[1:]:
             source.close(own_agent=True)
+        self._ahead.shutdown(wait=True)
         for staging in self._staging.values():
-            for source in staging:
+            for source, _ in staging:
                 source.close(own_agent=True)
                 source.pool.close()
 
@@ -157,52 +163,6 @@ def check_tiling(mine: LayoutFingerprint, my_ranks: int, dests: Sequence[Destina
                 f"{mine.num_kv_heads} heads)")
 
 
-def _packer(sources: list[torch.Tensor], stage: torch.Tensor, rank: int, size: int
-            ) -> Callable[[list[int]], None]:
-    """Copy decode rank `rank`'s heads of the given pages from the prefill ranks' pools into
-    `stage` (same page ids)."""
-    per_source = sources[0].shape[-2]
-    per_rank = per_source * len(sources) // size
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    cuts = [(src, max(lo, s * per_source), min(hi, (s + 1) * per_source), s * per_source)
-            for s, src in enumerate(sources)]
-    cuts = [c for c in cuts if c[1] < c[2]]
-
-    def pack(pages: list[int]) -> None:
-        for start, n in _runs(pages):
-            for src, a, b, base in cuts:
-                stage[start:start + n, ..., a - lo:b - lo, :].copy_(
-                    src[start:start + n, ..., a - base:b - base, :])
-    return pack
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """[5, 6, 7, 2, 3] -> [(5, 3), (2, 2)]."""
-    runs: list[tuple[int, int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
-
-
-class Packed:
-    """`Sends` that packs each part's pages into its staging pool first."""
-
-    def __init__(self, inner: Sends, pack: Callable[[list[int]], None]):
-        self._inner = inner
-        self._pack = pack
-        self.pack_s = 0.0  # packing time, all parts
-
-    def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
-             destination: Destination, timeout_s: float) -> Handoff:
-        started = time.perf_counter()
-        self._pack(src_page_ids)
-        self.pack_s += time.perf_counter() - started
-        return self._inner.send(ticket, src_pool_id, src_page_ids, destination, timeout_s)
-
-
 class RankShipments:
     """One Shipment per decode rank, driven as one (the prefill worker's `Shipment`)."""
 
@@ -211,11 +171,11 @@ class RankShipments:
         self._finishers = finishers
         self._prefill_tp = len(sources.ranks)
         planned = sources.parts(destination)
-        self._packed = [Packed(src.sends, pack) if pack else None for src, _, pack in planned]
+        self._packed = [packed for _, _, packed in planned]
         self._shipments = [
             Shipment(packed or src.sends, rank_ticket(ticket, rank), src.pool_id, dest,
                      timeout_s, parts)
-            for rank, ((src, dest, _), packed) in enumerate(zip(planned, self._packed))]
+            for rank, (src, dest, packed) in enumerate(planned)]
 
     def ship(self, complete_pages: list[int]) -> None:
         for shipment in self._shipments:
@@ -258,7 +218,7 @@ class RankShipments:
         for rank, (report, packed) in enumerate(zip(reports, self._packed)):
             pack_ms = packed.pack_s * 1e3 if packed else 0.0
             s = tracing.start_span(
-                "kv.rank_handoff", start_time_ns=now - int((report.total_ms + pack_ms) * 1e6),
+                "kv.rank_handoff", start_time_ns=now - int(report.total_ms * 1e6),
                 decode_rank=rank, decode_tp=size, prefill_tp=self._prefill_tp,
                 source=f"packed from prefill ranks {rank * self._prefill_tp // size}.."
                 f"{((rank + 1) * self._prefill_tp - 1) // size}" if packed

@@ -52,7 +52,6 @@ class PoolSpec:
     num_pages: int
     page_bytes: int
     fingerprint: LayoutFingerprint
-    populate: bool = True
 
 
 class AgentClient:
@@ -123,12 +122,11 @@ class AgentClient:
 
     def register_pool(self, worker_id: str, fd: int, num_pages: int, page_bytes: int,
                       fingerprint: LayoutFingerprint,
-                      on_registered: Callable[[str, int], None] | None = None,
-                      populate: bool = True) -> tuple[str, int]:
+                      on_registered: Callable[[str, int], None] | None = None
+                      ) -> tuple[str, int]:
         """Hand the pool's segment to the agent; returns (pool id, agent epoch). The pool is
-        registered again, and `on_registered(pool_id, epoch)` called, after an agent restart.
-        `populate`: the agent faults every page in at once (False: as handoffs touch them)."""
-        self._spec = PoolSpec(worker_id, fd, num_pages, page_bytes, fingerprint, populate)
+        registered again, and `on_registered(pool_id, epoch)` called, after an agent restart."""
+        self._spec = PoolSpec(worker_id, fd, num_pages, page_bytes, fingerprint)
         if on_registered is not None:
             self._on_registered = on_registered
         self._register()
@@ -143,7 +141,7 @@ class AgentClient:
         try:
             reply, _ = localsock.call(conn, {
                 "op": "register", "worker_id": spec.worker_id, "num_pages": spec.num_pages,
-                "page_bytes": spec.page_bytes, "populate": spec.populate,
+                "page_bytes": spec.page_bytes,
                 "fingerprint": fingerprint_to_json(spec.fingerprint)}, fds=(spec.fd,))
             raise_for(reply, "RegisterPool")
         except BaseException:
