@@ -114,3 +114,41 @@ def test_every_split_hands_off_token_exact_and_frees_its_pages(stacks, reference
         assert stats.fingerprint.tp_size == d and stats.fingerprint.num_kv_heads == 2 // d
         assert stack.prefill_stats().fingerprint.tp_size == p
         assert stats.reserved_tickets == 0 and stats.running_sequences == 0
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 4), ("qwen2", 2)])
+def test_tp4_and_biased_projections_equal_transformers(arch, tp, tmp_path):
+    """A model whose heads divide by 4 (8 heads, 4 KV heads) at TP 4, and Qwen2 (q/k/v biases:
+    cut with their rows) at TP 2: greedy ids equal transformers' on a few prompts."""
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    shape = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, intermediate_size=128, max_position_embeddings=256,
+                 initializer_range=0.1)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM(LlamaConfig(**shape)) if arch == "llama"
+             else Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False)))
+    if arch == "qwen2":  # random biases, so a wrongly cut one shows
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompts = [[5, 17, 42], list(range(20, 60)), [(i * 37) % 290 + 3 for i in range(70)]]
+    engine, _ = build_engine(str(tmp_path), role="colocated", num_pages=64, max_model_len=256,
+                             tp=tp)
+    try:
+        assert len(_rank_processes()) == tp - 1
+        for ids in prompts:
+            want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                               min_new_tokens=MAX_TOKENS)[0, len(ids):].tolist()
+            assert _greedy_engine(engine, ids) == want, (arch, tp, ids[:5])
+    finally:
+        engine.close()
+    assert _rank_processes() == []
