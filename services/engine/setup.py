@@ -86,6 +86,9 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
     ranks = None
     if group is not None:
         cores = tp_cores or split_cores(sorted(os.sched_getaffinity(0)), tp)
+        if len({c for share in cores for c in share}) < tp:
+            log.warning("%d tensor-parallel ranks on %d cores: ranks share cores, and each "
+                        "all-reduce waits for the slowest", tp, len({c for s in cores for c in s}))
         spec = RankSpec(str(directory), model_id, dtype, device, block_size, plan.num_pages,
                         tp, 0, tp_threads or max(1, len(cores[1])))
         log.info("starting tensor-parallel ranks 1..%d on cores %s", tp - 1,
