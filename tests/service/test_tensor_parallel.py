@@ -8,6 +8,7 @@ TP 1 and 2 divide it, 4 does not); outputs checked token for token against trans
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -28,10 +29,11 @@ WORKER_ENV = {"PDSERVE_PREFILL_CHUNK_SIZE": "32", "PDSERVE_DECODE_NUM_PAGES": "1
               "PDSERVE_DECODE_MAX_MODEL_LEN": "2048"}
 
 
-def _rank_processes() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "pdserve.engine.tp_rank"], capture_output=True,
-                         text=True, check=False).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+def _rank_processes() -> list[int]:
+    """Rank processes (pdserve.engine.tp_rank) this test process started."""
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "pdserve.engine.tp_rank"],
+                         capture_output=True, text=True, check=False).stdout
+    return [int(pid) for pid in out.split()]
 
 
 def _greedy_engine(engine, prompt_ids: list[int]) -> list[int]:
