@@ -31,12 +31,12 @@ def _pid_of(*args: str) -> int:
     raise LookupError(f"no process with {args}")
 
 
-def _healthy_prefill(stack) -> float:
+def _healthy(stack, role: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(stack.scrape("router")):
         for sample in family.samples:
-            if sample.name == "pdserve_workers_healthy" and sample.labels.get("role") == "prefill":
+            if sample.name == "pdserve_workers_healthy" and sample.labels.get("role") == role:
                 return sample.value
     return 0.0
 
@@ -48,12 +48,13 @@ def _greedy(stack, prompt, **kw):
 def test_prefill_killed_before_first_token_retries_on_the_other(reference):
     # The router looks at worker health rarely here, so the first request after the kill is
     # still placed on the dead worker (lowest address) and must be retried on the other one.
+    # Rarely once every worker is up: while one is still down it checks again within a second,
+    # and a check between the kill and the request would find the dead worker first.
     env = {"PDSERVE_ROUTER_HEALTH_INTERVAL_S": "600"}
     with pdserve_stack(prefill=2, env=env) as stack:
         first, second = sorted(stack.prefill)
-        assert wait_for(lambda: _healthy_prefill(stack) == 2), (
-            "router never saw both prefill workers"
-        )
+        assert wait_for(lambda: _healthy(stack, "prefill") == 2 and _healthy(stack, "decode") == 1
+                        ), "router never saw every worker healthy"
         pid = _pid_of("pdserve.prefill.main", "--port", first.rsplit(":", 1)[1])
         os.kill(pid, signal.SIGKILL)
         tok, refs = reference
