@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,17 +18,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdserve.common.health import wait_serving
+from pdserve.common.ports import free_port
 from pdserve.common.security import ChannelSecurity
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["free_port", "wait_serving", "wait_for", "ServiceProcess", "running", "pdserve_argv"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServiceProcess:

@@ -21,6 +21,7 @@ import time
 from concurrent import futures
 
 import grpc
+from pdserve.common.ports import free_port
 
 PAYLOAD = b"x" * 24
 
@@ -117,11 +118,7 @@ def main() -> int:
     print(f"server on cores {server_cores}, client on {client_cores}; {args.calls} calls each, "
           "32 in flight")
     for kind in ("sync", "aio"):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         server = subprocess.Popen(
             [sys.executable, __file__, "--serve", kind, "--port", str(port)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
