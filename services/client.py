@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf.json_format import MessageToDict
 from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
-from pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 def chat_messages(args: argparse.Namespace) -> list[router_pb2.ChatMessage]:
@@ -91,7 +91,21 @@ def breakdown(t: router_pb2.Timing) -> str:
         + f"prefill {t.prefill_worker or '-'}, decode {t.decode_worker or '-'}",
         f"prefix cache: {t.cached_tokens} prompt tokens reused (prefill held "
         f"{t.prefill_cached_tokens}, decode held {t.decode_cached_tokens})",
+        *(_rank_line(r) for r in t.kv_ranks),
     ])
+
+
+_RELAYOUT = {"": "as laid out", "receiver": "re-laid out in the receiver's copy",
+             "staging": "packed through staging"}
+
+
+def _rank_line(r: common_pb2.RankTransfer) -> str:
+    """One decode rank's part of a handoff between tensor-parallel workers."""
+    src = (f"prefill rank {r.prefill_rank_first}" if r.prefill_rank_first == r.prefill_rank_last
+           else f"prefill ranks {r.prefill_rank_first}..{r.prefill_rank_last}")
+    return (f"  decode rank {r.decode_rank} <- {src}: {r.kv_bytes:,} bytes over {r.transport}, "
+            f"{_RELAYOUT.get(r.relayout, r.relayout)}, {r.handoff_ms:.1f} ms "
+            f"(moving them took {r.total_ms:.1f} ms)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,8 @@ import hashlib
 import logging
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,10 @@ def library() -> ctypes.CDLL | None:
     lib.pdserve_stream_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     lib.pdserve_stream_copy.restype = ctypes.c_int
     lib.pdserve_stream_copy_isa.restype = ctypes.c_char_p
+    sizes = ctypes.POINTER(ctypes.c_size_t)
+    lib.pdserve_gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                        ctypes.c_int, sizes, sizes, sizes, sizes, ctypes.c_int]
+    lib.pdserve_gather_rows.restype = ctypes.c_int
     _lib = lib
     return lib
 
@@ -126,6 +131,43 @@ def copy_in_slices(dst: np.ndarray, src: np.ndarray, total_bytes: int, slice_byt
             return False
         lib.pdserve_stream_copy(d + at, s + at, min(slice_bytes, n - at))
     return True
+
+
+@dataclass(frozen=True)
+class Column:
+    """Bytes `src_off` .. `src_off + width - 1` of every row of `src` (a C-contiguous 2-D uint8
+    array: a run of pages as rows of (layer, K/V, token)), bound for `dst_off` in the
+    destination's rows: one rank's KV heads in another tensor-parallel layout."""
+
+    src: np.ndarray
+    src_off: int
+    dst_off: int
+    width: int
+
+
+def gather_rows(dst: np.ndarray, columns: Sequence[Column], total_bytes: int) -> None:
+    """Fill `dst` (a C-contiguous 2-D uint8 array) column by column from `columns`, row by row
+    (the destination written in order). Streamed when the handoff of `total_bytes` is big, as
+    `copy` is."""
+    rows, width = dst.shape
+    for c in columns:
+        if c.src.shape[0] != rows or c.dst_off + c.width > width or min(
+                c.dst_off, c.src_off, c.width) < 0 or c.src_off + c.width > c.src.shape[1]:
+            raise ValueError(f"columns {c.src_off}+{c.width} of {c.src.shape} into "
+                             f"{c.dst_off}+{c.width} of {dst.shape}")
+    lib = library()
+    if lib is None or not all(a.flags.c_contiguous for a in (dst, *(c.src for c in columns))):
+        for c in columns:
+            np.copyto(dst[:, c.dst_off:c.dst_off + c.width],
+                      c.src[:, c.src_off:c.src_off + c.width])
+        return
+    n = len(columns)
+    vec = ctypes.c_size_t * n
+    lib.pdserve_gather_rows(dst.ctypes.data, width, rows, n,
+                            vec(*(c.src.ctypes.data + c.src_off for c in columns)),
+                            vec(*(c.src.shape[1] for c in columns)),
+                            vec(*(c.dst_off for c in columns)), vec(*(c.width for c in columns)),
+                            int(total_bytes >= STREAM_MIN_BYTES))
 
 
 def main(argv: list[str] | None = None) -> int:

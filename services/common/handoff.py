@@ -45,6 +45,22 @@ class Destination:
 
 
 @dataclass(frozen=True)
+class RankTransfer:
+    """One decode rank's part of a handoff between tensor-parallel workers."""
+
+    decode_rank: int
+    prefill_rank_first: int  # the prefill ranks its KV heads came from
+    prefill_rank_last: int
+    kv_bytes: int
+    handoff_ms: float
+    total_ms: float
+    transport: str
+    # "" (no change of layout: equal splits), "receiver" (re-laid out in the receiving
+    # agent's copy), "staging" (packed into the decode rank's layout on the prefill side)
+    relayout: str
+
+
+@dataclass(frozen=True)
 class TransferReport:
     """One handoff as the sending agent measured it (all zero when nothing moved)."""
 
@@ -58,6 +74,7 @@ class TransferReport:
     # `handoff_ms` is only its exposed part: KV of the whole prompt ready -> every page
     # resident. An agent's own report of one SendPages has the two equal.
     total_ms: float = 0.0
+    ranks: tuple[RankTransfer, ...] = ()  # a handoff between tensor-parallel workers
 
 
 def ticket_to_json(key: TicketKey) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.common.errors import InvalidArgument
-from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.handoff import Destination, RankTransfer, TransferReport
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.tickets import TicketKey
@@ -85,11 +85,22 @@ def report_to_pb(report: TransferReport) -> common_pb2.TransferReport:
     return common_pb2.TransferReport(handoff_ms=report.handoff_ms, kv_bytes=report.kv_bytes,
                                      kv_pages=report.kv_pages, transport=report.transport,
                                      num_runs=report.num_runs,
-                                     kv_transfer_total_ms=report.total_ms)
+                                     kv_transfer_total_ms=report.total_ms,
+                                     ranks=[rank_to_pb(r) for r in report.ranks])
+
+
+def rank_to_pb(r: RankTransfer) -> common_pb2.RankTransfer:
+    return common_pb2.RankTransfer(**dataclasses.asdict(r))
+
+
+def rank_from_pb(pb: common_pb2.RankTransfer) -> RankTransfer:
+    return RankTransfer(pb.decode_rank, pb.prefill_rank_first, pb.prefill_rank_last,
+                        pb.kv_bytes, pb.handoff_ms, pb.total_ms, pb.transport, pb.relayout)
 
 
 def report_from_pb(pb: common_pb2.TransferReport) -> TransferReport:
     """A report; one from a sender that predates kv_transfer_total_ms (0) was not pipelined,
     so its whole transfer is its handoff."""
     return TransferReport(pb.handoff_ms, pb.kv_bytes, pb.kv_pages, pb.transport, pb.num_runs,
-                          pb.kv_transfer_total_ms or pb.handoff_ms)
+                          pb.kv_transfer_total_ms or pb.handoff_ms,
+                          tuple(rank_from_pb(r) for r in pb.ranks))

@@ -43,6 +43,7 @@ from pdserve.common.kv.errors import (
     TicketCancelled,
     TransferTimeout,
 )
+from pdserve.common.kv.relayout import copy_run, parse_columns
 from pdserve.common.kv.runs import PageRun
 from pdserve.common.kv.samehost import (
     open_connection,
@@ -194,7 +195,7 @@ class ShmReceiver:
               ) -> dict[str, Any] | None:
         """Serve one shm_write; returns the reply (an error reply names the refusal), or None
         when the native path has sent it."""
-        if self._native is not None and not fds:
+        if self._native is not None and not fds and "columns" not in message:
             mapped = self._maps.get(message.get("src_pool", ""))
             if mapped is not None:
                 done = self._native.write(payload, mapped.address, mapped.data.nbytes,
@@ -209,9 +210,19 @@ class ShmReceiver:
                 for fd in fds:
                     os.close(fd)
                 raise
+            if "columns" in message:
+                self._relayout(message, header, fds)
+                return {}
             src = self._source(message, fds, header.page_bytes)
             runs = _runs(message, header, src.num_pages)
-            self._copy(header, src, runs)
+
+            def plain(start: int, dst: np.ndarray, address: int, stop: Callable[[], bool]
+                      ) -> bool:
+                offset = start * header.page_bytes
+                return fastcopy.copy_in_slices(dst, src.data[offset:offset + dst.size],
+                                               header.kv_bytes, COPY_SLICE_BYTES, stop,
+                                               (address, src.address + offset))
+            self._copy(header, runs, plain)
             return {}
         except KvTransferError as exc:
             return {"error": type(exc).__name__, "message": exc.message}
@@ -240,38 +251,78 @@ class ShmReceiver:
         if fds:
             for fd in fds[1:]:
                 os.close(fd)
-            old = self._maps.pop(key, None)
-            if old is not None:
-                old.segment.close()
             try:
                 num_pages = int(message["src_num_pages"])
             except (KeyError, ValueError, TypeError):
                 os.close(fds[0])
                 raise BadRequest("malformed same-host write: src_num_pages") from None
-            try:  # map_fd owns the descriptor (closes it when it cannot map it)
-                segment = map_fd(fds[0], num_pages, page_bytes, writable=False)
-            except KvTransferError as exc:
-                raise SegmentUnavailable(f"the sender's pool cannot be mapped here: "
-                                         f"{exc.message}") from None
-            self._maps[key] = _Mapped(segment, num_pages)
-            _prefault_in_background(self._maps[key].data)
+            self._map(key, fds[0], num_pages, page_bytes)
         found = self._maps.get(key)
         if found is None:
             raise SegmentUnavailable(f"pool {key!r} was never mapped on this connection")
         return found
 
-    def _copy(self, header: WriteHeader, src: _Mapped, runs: list[tuple[int, int]]) -> None:
+    def _map(self, key: str, fd: int, num_pages: int, page_bytes: int) -> None:
+        """Map a sender's pool under `key` on this connection (it owns `fd`), replacing what
+        was mapped there."""
+        old = self._maps.pop(key, None)
+        if old is not None:
+            old.segment.close()
+        try:  # map_fd owns the descriptor (closes it when it cannot map it)
+            segment = map_fd(fd, num_pages, page_bytes, writable=False)
+        except KvTransferError as exc:
+            raise SegmentUnavailable(f"the sender's pool cannot be mapped here: "
+                                     f"{exc.message}") from None
+        self._maps[key] = _Mapped(segment, num_pages)
+        _prefault_in_background(self._maps[key].data)
+
+    def _relayout(self, message: dict[str, Any], header: WriteHeader, fds: list[int]) -> None:
+        """A write that re-lays its pages out between tensor-parallel splits (relayout.py)."""
+        try:
+            row_bytes, columns = parse_columns(message, header.page_bytes)
+            keys = [str(k) for k in message.get("maps", [])]
+            if len(keys) != len(fds):
+                raise BadRequest(f"re-layout write: {len(fds)} descriptors for {len(keys)} pools")
+        except BadRequest:
+            for fd in fds:
+                os.close(fd)
+            raise
+        specs = {c.pool: c for c in columns}
+        for n, (key, fd) in enumerate(zip(keys, fds)):
+            try:
+                if key not in specs:
+                    os.close(fd)
+                    raise BadRequest(f"re-layout write maps pool {key!r}, which no column reads")
+                self._map(key, fd, specs[key].num_pages, specs[key].page_bytes)  # owns fd
+            except KvTransferError:
+                for rest in fds[n + 1:]:
+                    os.close(rest)
+                raise
+        sources = []
+        for c in columns:
+            found = self._maps.get(c.pool)
+            if found is None:
+                raise SegmentUnavailable(f"pool {c.pool!r} was never mapped on this connection")
+            sources.append(found)
+        runs = _runs(message, header, min(m.num_pages for m in sources))
+
+        def gather(start: int, dst: np.ndarray, _address: int, stop: Callable[[], bool]
+                   ) -> bool:
+            return copy_run(dst, row_bytes, [m.data for m in sources], columns, start,
+                            header.kv_bytes, COPY_SLICE_BYTES, stop)
+        self._copy(header, runs, gather)
+
+    def _copy(self, header: WriteHeader, runs: list[tuple[int, int]],
+              copy_one: Callable[[int, np.ndarray, int, Callable[[], bool]], bool]) -> None:
+        """Accept the write, `copy_one(src start, dst view, dst address, stop)` each run,
+        finish it."""
         sink = self._sink()
         write = sink.accept(header)  # nothing is written unless this returns
-        total = header.kv_bytes  # the handoff's size picks the copy (streamed when big)
         ok = True
         try:
             addresses = write.dst_addresses or [dst.ctypes.data for dst in write.dst_views]
             for (start, _), dst, address in zip(runs, write.dst_views, addresses):
-                offset = start * header.page_bytes
-                ok = fastcopy.copy_in_slices(dst, src.data[offset:offset + dst.size], total,
-                                             COPY_SLICE_BYTES, write.abort.is_set,
-                                             (address, src.address + offset))
+                ok = copy_one(start, dst, address, write.abort.is_set)
                 if not ok:
                     break
         except BaseException:

@@ -8,10 +8,15 @@ the same way by D. The handoff is one part per decode rank d, each its own Shipm
 with prefill, its own ticket `rank_ticket(key, d)`), sent over whichever path the agents pick:
 
 - P == D: rank d's pool goes to rank d's pool as it is (no copy beyond the transport's).
-- P != D: the pages go in pieces, each packed into rank d's layout in a small staging pool
-  first (one strided copy, from each prefill rank holding part of d's heads; the next piece
-  packed while one is on its way: staging.py); the transport then lands them straight in rank
-  d's pages, so nothing is re-laid out after arrival.
+- P != D, the decode agent on this host (the same-host lane): one write per part names, for
+  each prefill rank holding some of d's heads, the columns of its rows they are; the receiving
+  agent maps those pools and fills d's pages row by row from them, the one copy a handoff
+  within a split makes (pdserve.common.kv.relayout).
+- P != D otherwise (another host, or the lane unusable): the pages go in pieces, each packed
+  into rank d's layout in a small staging pool first (one strided copy, from each prefill rank
+  holding part of d's heads; the next piece packed while one is on its way: staging.py); the
+  transport then lands them straight in rank d's pages, so nothing is re-laid out after
+  arrival.
 
 The destination's ranks must tile the model's KV heads exactly as the layout fingerprints say
 (model, dtype, layers, head size and block equal, each rank's heads a 1/D share): checked
@@ -28,14 +33,15 @@ from dataclasses import dataclass, replace
 
 from pdserve.common import tracing
 from pdserve.common.errors import FailedPrecondition
-from pdserve.common.handoff import Destination, TransferReport
+from pdserve.common.handoff import Destination, RankTransfer, TransferReport
+from pdserve.common.kv.relayout import ColumnSpec
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey, rank_ticket
 from pdserve.engine.pool import KVPool
-from pdserve.prefill.shipment import Sends, Shipment
+from pdserve.prefill.shipment import Handoff, Sends, Shipment
 from pdserve.prefill.staging import Packed, Staging, packer, staging_pages
 from pdserve.worker.agent_client import AgentClient
-from pdserve.worker.samehost import SameHostLane
+from pdserve.worker.samehost import Relayout, SameHostLane
 
 
 @dataclass
@@ -71,7 +77,7 @@ class Sources:
         self.ranks = [own]
         self._connect = connect
         self._lane = same_host_lane
-        self._staging: dict[int, list[tuple[Source, Staging]]] = {}
+        self._staging: dict[int, list[tuple[Source, Staging, SameHostLane | None]]] = {}
         self._lock = threading.Lock()
         self._ahead = ThreadPoolExecutor(2, thread_name_prefix="kv-pack")
         for r, pool in enumerate(rank_pools, start=1):
@@ -86,22 +92,24 @@ class Sources:
         fp = dest.fingerprint
         return len(self.ranks) > 1 or bool(dest.ranks) or (fp is not None and fp.tp_size > 1)
 
-    def parts(self, dest: Destination) -> list[tuple[Source, Destination, Packed | None]]:
-        """Per decode rank: the source to send from, the rank's destination, and its packing
-        through a staging pool (None: the pages are sent as they are)."""
+    def parts(self, dest: Destination) -> list[Part]:
+        """Per decode rank: the source to send from, the rank's destination, and how its
+        pages go when they must change layout."""
         dests = dest.per_rank()
         check_tiling(self.fingerprint, len(self.ranks), dests)
         if len(dests) == len(self.ranks):
-            return [(src, d, None) for src, d in zip(self.ranks, dests)]
+            return [Part(src, d, None, None) for src, d in zip(self.ranks, dests)]
         sources = [s.pool.tensor for s in self.ranks]
-        out: list[tuple[Source, Destination, Packed | None]] = []
-        for rank, ((stage, free), d) in enumerate(zip(self._staging_for(len(dests)), dests)):
-            out.append((stage, d, Packed(stage.sends, stage.current_pool_id, free,
-                                         packer(sources, stage.pool.tensor, rank, len(dests)),
-                                         stage.pool.page_bytes, self._ahead)))
+        out = []
+        for rank, ((stage, free, lane), d) in enumerate(zip(self._staging_for(len(dests)),
+                                                              dests)):
+            packed = Packed(stage.sends, stage.current_pool_id, free,
+                            packer(sources, stage.pool.tensor, rank, len(dests)),
+                            stage.pool.page_bytes, self._ahead)
+            out.append(Part(stage, d, packed, lane))
         return out
 
-    def _staging_for(self, size: int) -> list[tuple[Source, Staging]]:
+    def _staging_for(self, size: int) -> list[tuple[Source, Staging, SameHostLane | None]]:
         with self._lock:
             if size not in self._staging:
                 fp = self.fingerprint
@@ -110,10 +118,37 @@ class Sources:
                 for d in range(size):
                     layout = replace(fp, num_kv_heads=heads, tp_rank=d, tp_size=size)
                     pages = staging_pages(layout.page_bytes)
-                    made.append((self._register(f"{self.worker_id}/stage{size}.{d}",
-                                                KVPool(layout, pages)), Staging(pages)))
+                    stage = self._register(f"{self.worker_id}/stage{size}.{d}",
+                                           KVPool(layout, pages))
+                    made.append((stage, Staging(pages), self._relayout_lane(stage, d, size)))
                 self._staging[size] = made
             return self._staging[size]
+
+    def _relayout_lane(self, stage: Source, rank: int, size: int) -> SameHostLane | None:
+        """The same-host lane whose writes re-lay this worker's ranks' pages out into decode
+        rank `rank` of `size`'s (None without same-host lanes)."""
+        if stage.lane is None or any(s.lane is None for s in self.ranks):
+            return None
+        pool = self.ranks[0].pool
+        per_source, head_bytes = pool.tensor.shape[-2], pool.tensor.shape[-1] * \
+            pool.tensor.element_size()
+        per_rank = per_source * len(self.ranks) // size
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        sources, columns = [], []
+        for s, src in enumerate(self.ranks):
+            a, b = max(lo, s * per_source), min(hi, (s + 1) * per_source)
+            if a >= b:
+                continue
+            lane = src.lane
+            assert lane is not None
+            sources.append((lane.pool_key, lane.readonly_fd))
+            columns.append(ColumnSpec(lane.pool_key, src.pool.num_pages, src.pool.page_bytes,
+                                      per_source * head_bytes, (a - s * per_source) * head_bytes,
+                                      (a - lo) * head_bytes, (b - a) * head_bytes))
+        return SameHostLane(stage.agent, stage.pool.fd, stage.pool.num_pages,
+                            stage.pool.page_bytes, stage.pool.fingerprint,
+                            f"{self.worker_id}/relayout{size}.{rank}",
+                            Relayout(sources, columns, per_rank * head_bytes))
 
     def _register(self, name: str, pool: KVPool) -> Source:
         source = Source(pool, self._connect(), "", None)
@@ -134,9 +169,44 @@ class Sources:
             source.close(own_agent=True)
         self._ahead.shutdown(wait=True)
         for staging in self._staging.values():
-            for source, _ in staging:
+            for source, _, lane in staging:
+                if lane is not None:
+                    lane.close()
                 source.close(own_agent=True)
                 source.pool.close()
+
+
+@dataclass
+class Part:
+    """One decode rank's part of a handoff: the source registration it goes from, the rank's
+    destination; when the layout changes, its packing through staging (`packed`) and the lane
+    that re-lays it out in the receiver's copy instead where it can (`relayout`)."""
+
+    source: Source
+    dest: Destination
+    packed: Packed | None
+    relayout: SameHostLane | None
+
+    @property
+    def sends(self) -> Sends:
+        if self.packed is None:
+            return self.source.sends
+        if self.relayout is None:
+            return self.packed
+        return _Relaid(self.relayout, self.packed)
+
+
+class _Relaid:
+    """`Sends` over a re-layout lane, packed through staging where the lane cannot go."""
+
+    def __init__(self, lane: SameHostLane, packed: Packed):
+        self._lane, self._packed = lane, packed
+
+    def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
+             destination: Destination, timeout_s: float) -> Handoff:
+        return self._lane.send(ticket, src_pool_id, src_page_ids, destination, timeout_s,
+                               lambda: self._packed.send(ticket, src_pool_id, src_page_ids,
+                                                         destination, timeout_s))
 
 
 def check_tiling(mine: LayoutFingerprint, my_ranks: int, dests: Sequence[Destination]) -> None:
@@ -171,11 +241,11 @@ class RankShipments:
         self._finishers = finishers
         self._prefill_tp = len(sources.ranks)
         planned = sources.parts(destination)
-        self._packed = [packed for _, _, packed in planned]
+        self._packed = [part.packed for part in planned]
         self._shipments = [
-            Shipment(packed or src.sends, rank_ticket(ticket, rank), src.pool_id, dest,
+            Shipment(part.sends, rank_ticket(ticket, rank), part.source.pool_id, part.dest,
                      timeout_s, parts)
-            for rank, (src, dest, packed) in enumerate(planned)]
+            for rank, part in enumerate(planned)]
 
     def ship(self, complete_pages: list[int]) -> None:
         for shipment in self._shipments:
@@ -199,30 +269,39 @@ class RankShipments:
                 self.cancel()
         if error is not None:
             raise error
-        self._trace(reports)
+        ranks = tuple(self._rank(d, r) for d, r in enumerate(reports))
+        self._trace(ranks)
         first = reports[0]
         return TransferReport(max(r.handoff_ms for r in reports), sum(r.kv_bytes for r in reports),
                               first.kv_pages, first.transport, sum(r.num_runs for r in reports),
-                              max(r.total_ms for r in reports))
+                              max(r.total_ms for r in reports), ranks)
 
     def cancel(self) -> None:
         for shipment in self._shipments:
             shipment.cancel()
 
-    def _trace(self, reports: list[TransferReport]) -> None:
+    def _rank(self, rank: int, report: TransferReport) -> RankTransfer:
+        """Decode rank `rank`'s part: where its heads came from, how, what it took."""
+        packed, p, d = self._packed[rank], self._prefill_tp, len(self._shipments)
+        relayout = "" if packed is None else "staging" if packed.pack_s else "receiver"
+        return RankTransfer(rank, rank * p // d, ((rank + 1) * p - 1) // d, report.kv_bytes,
+                            report.handoff_ms, report.total_ms, report.transport, relayout)
+
+    def _trace(self, ranks: tuple[RankTransfer, ...]) -> None:
         """A kv.rank_handoff span per decode rank under the request's: what went from which
         prefill ranks to it, how, and how long it took (its parts' time, packing included)."""
         if not tracing.enabled():
             return
-        now, size = time.time_ns(), len(reports)
-        for rank, (report, packed) in enumerate(zip(reports, self._packed)):
-            pack_ms = packed.pack_s * 1e3 if packed else 0.0
+        now, size = time.time_ns(), len(ranks)
+        for r, packed in zip(ranks, self._packed):
+            how = {"": "'s pool", "receiver": ", re-laid out in the receiver's copy",
+                   "staging": ", packed through staging"}[r.relayout]
             s = tracing.start_span(
-                "kv.rank_handoff", start_time_ns=now - int(report.total_ms * 1e6),
-                decode_rank=rank, decode_tp=size, prefill_tp=self._prefill_tp,
-                source=f"packed from prefill ranks {rank * self._prefill_tp // size}.."
-                f"{((rank + 1) * self._prefill_tp - 1) // size}" if packed
-                else f"prefill rank {rank}'s pool", pack_ms=pack_ms, kv_bytes=report.kv_bytes,
-                kv_pages=report.kv_pages, kv_transport=report.transport,
-                handoff_ms=report.handoff_ms, total_ms=report.total_ms)
+                "kv.rank_handoff", start_time_ns=now - int(r.total_ms * 1e6),
+                decode_rank=r.decode_rank, decode_tp=size, prefill_tp=self._prefill_tp,
+                source=f"prefill rank {r.prefill_rank_first}{how}" if not r.relayout else
+                f"prefill ranks {r.prefill_rank_first}..{r.prefill_rank_last}{how}",
+                pack_ms=packed.pack_s * 1e3 if packed else 0.0, relayout=r.relayout,
+                kv_bytes=r.kv_bytes, kv_transport=r.transport, handoff_ms=r.handoff_ms,
+                total_ms=r.total_ms)
             s.end(end_time=now)

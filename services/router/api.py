@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.handoff import RankTransfer
+
 
 @dataclass(frozen=True)
 class ChatMessage:
@@ -68,6 +70,7 @@ class Timing:
     decode_cached_tokens: int = 0   # ... held by the decode worker (not shipped)
     prompt_pages: int = 0           # the prompt's pages; kv_pages of them crossed to decode
     prefill_on: str = "prefill"     # "prefill" (the prefill pool) or "decode" (no handoff)
+    kv_ranks: tuple[RankTransfer, ...] = ()  # tensor-parallel workers: each decode rank's part
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
+from pdserve.common.wire import rank_from_pb
 from pdserve.router.api import Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.attempts import AttemptRunner
 from pdserve.router.cache_feed import CacheFeeds
@@ -326,4 +327,5 @@ def _timing(rid: str, started: Started, received: float) -> Timing:
                   prefill_cached_tokens=reply.cached_tokens if started.prefill_on == "prefill"
                   else 0, decode_cached_tokens=started.reservation.cached_tokens,
                   prompt_pages=dest.first_page + len(dest.page_ids),
-                  prefill_on=started.prefill_on)
+                  prefill_on=started.prefill_on,
+                  kv_ranks=tuple(rank_from_pb(r) for r in reply.transfer.ranks))

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 from pdserve.common.errors import ResourceExhausted
+from pdserve.common.wire import rank_to_pb
 from pdserve.router.api import ChatMessage, Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.cancel import CallScope
 from pdserve.router.lifecycle import Lifecycle
@@ -44,7 +45,7 @@ def event_to_pb(event: StreamEvent) -> router_pb2.GenerateResponse:
             kv_transfer_total_ms=event.kv_transfer_total_ms, cached_tokens=event.cached_tokens,
             prefill_cached_tokens=event.prefill_cached_tokens,
             decode_cached_tokens=event.decode_cached_tokens, prompt_pages=event.prompt_pages,
-            prefill_on=event.prefill_on))
+            prefill_on=event.prefill_on, kv_ranks=[rank_to_pb(r) for r in event.kv_ranks]))
     assert isinstance(event, Finish)
     return router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
         finish_reason=event.finish_reason, prompt_tokens=event.prompt_tokens,

@@ -75,20 +75,42 @@ class KVDestination(_message.Message):
     def __init__(self, agent_address: _Optional[str] = ..., agent_epoch: _Optional[int] = ..., pool_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., first_page: _Optional[int] = ..., boundary_key: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[KVDestination, _Mapping]]] = ...) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs", "kv_transfer_total_ms")
+    __slots__ = ("handoff_ms", "kv_bytes", "kv_pages", "transport", "num_runs", "kv_transfer_total_ms", "ranks")
     HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     handoff_ms: float
     kv_bytes: int
     kv_pages: int
     transport: str
     num_runs: int
     kv_transfer_total_ms: float
-    def __init__(self, handoff_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., transport: _Optional[str] = ..., num_runs: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankTransfer]
+    def __init__(self, handoff_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., transport: _Optional[str] = ..., num_runs: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankTransfer, _Mapping]]] = ...) -> None: ...
+
+class RankTransfer(_message.Message):
+    __slots__ = ("decode_rank", "prefill_rank_first", "prefill_rank_last", "kv_bytes", "handoff_ms", "total_ms", "transport", "relayout")
+    DECODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RANK_FIRST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RANK_LAST_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RELAYOUT_FIELD_NUMBER: _ClassVar[int]
+    decode_rank: int
+    prefill_rank_first: int
+    prefill_rank_last: int
+    kv_bytes: int
+    handoff_ms: float
+    total_ms: float
+    transport: str
+    relayout: str
+    def __init__(self, decode_rank: _Optional[int] = ..., prefill_rank_first: _Optional[int] = ..., prefill_rank_last: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., handoff_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., transport: _Optional[str] = ..., relayout: _Optional[str] = ...) -> None: ...
 
 class CacheEventsRequest(_message.Message):
     __slots__ = ("heartbeat_ms",)

@@ -1,3 +1,4 @@
+from pdserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -51,7 +52,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms", "ttft_ms", "kv_bytes", "kv_pages", "kv_transport", "prefill_worker", "decode_worker", "attempts", "kv_transfer_total_ms", "cached_tokens", "prefill_cached_tokens", "decode_cached_tokens", "prompt_pages", "prefill_on")
+    __slots__ = ("queue_ms", "prefill_ms", "kv_transfer_ms", "decode_start_ms", "ttft_ms", "kv_bytes", "kv_pages", "kv_transport", "prefill_worker", "decode_worker", "attempts", "kv_transfer_total_ms", "cached_tokens", "prefill_cached_tokens", "decode_cached_tokens", "prompt_pages", "prefill_on", "kv_ranks")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +70,7 @@ class Timing(_message.Message):
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_PAGES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ON_FIELD_NUMBER: _ClassVar[int]
+    KV_RANKS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
@@ -86,7 +88,8 @@ class Timing(_message.Message):
     decode_cached_tokens: int
     prompt_pages: int
     prefill_on: str
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_start_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., prefill_on: _Optional[str] = ...) -> None: ...
+    kv_ranks: _containers.RepeatedCompositeFieldContainer[_common_pb2.RankTransfer]
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_start_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_pages: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., kv_transfer_total_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., prompt_pages: _Optional[int] = ..., prefill_on: _Optional[str] = ..., kv_ranks: _Optional[_Iterable[_Union[_common_pb2.RankTransfer, _Mapping]]] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "e2e_ms", "tpot_ms", "itl_mean_ms", "itl_max_ms")

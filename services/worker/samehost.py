@@ -29,8 +29,9 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError
@@ -42,13 +43,13 @@ from pdserve.common.kv.errors import (
     cause,
     status_name,
 )
-from pdserve.common.kv.runs import coalesce
+from pdserve.common.kv.relayout import ColumnSpec
+from pdserve.common.kv.runs import PageRun, coalesce
 from pdserve.common.kv.samehost import open_connection, raise_refusal, request_copy, write_message
 from pdserve.common.kv.spans import send_span
 from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
-from pdserve.worker.agent_calls import Send
 from pdserve.worker.agent_client import AgentClient
 
 log = logging.getLogger("pdserve.worker.samehost")
@@ -66,6 +67,27 @@ class Route:
     sender: str  # this host's agent's id: the receiver counts the bytes as that peer's
 
 
+@dataclass(frozen=True)
+class Relayout:
+    """What makes a lane's writes re-lay pages out between tensor-parallel splits
+    (pdserve.common.kv.relayout): the source pools (key and read-only descriptor each, the
+    key as its own lane names it) and the columns each destination row takes from them."""
+
+    sources: Sequence[tuple[str, int]]
+    columns: Sequence[ColumnSpec]
+    row_bytes: int
+
+
+class Fallback(Protocol):
+    """How a part goes when the lane cannot take it (the agent's `Send`, or a packed one)."""
+
+    def result(self) -> TransferReport: ...
+
+    def settle(self) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
 class _UseAgent(Exception):
     """The lane cannot take this handoff: send it through the agent."""
 
@@ -74,27 +96,33 @@ class SameHostLane:
     """`send` as `AgentClient.send` has it, taking the lane where it can (thread-safe)."""
 
     def __init__(self, agent: AgentClient, pool_fd: int, num_pages: int, page_bytes: int,
-                 fingerprint: LayoutFingerprint, worker_id: str):
+                 fingerprint: LayoutFingerprint, worker_id: str,
+                 relayout: Relayout | None = None):
         self._agent = agent
+        self._relayout = relayout
         self._num_pages = num_pages
         self._page_bytes = page_bytes
         self._fingerprint = fingerprint
-        self._pool_key = f"worker:{worker_id}:{os.getpid()}"  # the receiver's name for the map
-        self._readonly_fd = os.open(f"/proc/self/fd/{pool_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self.pool_key = f"worker:{worker_id}:{os.getpid()}"  # the receiver's name for the map
+        self.readonly_fd = os.open(f"/proc/self/fd/{pool_fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._lock = threading.Lock()
         self._routes: dict[tuple[str, int], Route | None] = {}
-        self._idle: dict[str, list[socket.socket]] = {}  # connections that carried the pool
+        # idle connections, and the pools each has carried (their descriptors went with it)
+        self._idle: dict[str, list[tuple[socket.socket, set[str]]]] = {}
         self.copied = 0  # handoffs this lane made itself (the rest went through the agent)
 
     def send(self, ticket: TicketKey, src_pool_id: str, src_page_ids: list[int],
-             destination: Destination, timeout_s: float) -> Send | LaneSend:
-        through_agent = functools.partial(self._agent.send, ticket, src_pool_id, src_page_ids,
-                                          destination, timeout_s)
+             destination: Destination, timeout_s: float,
+             fallback: Callable[[], Fallback] | None = None) -> Fallback:
+        """The part over the lane, or `fallback()` (default: through the agent) when the lane
+        cannot take it."""
+        fallback = fallback or functools.partial(self._agent.send, ticket, src_pool_id,
+                                                 src_page_ids, destination, timeout_s)
         route = self.route(destination)
         if route is None:
-            return through_agent()
-        # The agent's request is made only if the lane cannot take the part.
-        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, through_agent)
+            return fallback()
+        # The fallback's request is made only if the lane cannot take the part.
+        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, fallback)
 
     def route(self, dest: Destination) -> Route | None:
         """The lane to the destination's agent, or None (send through this host's agent)."""
@@ -148,14 +176,14 @@ class SameHostLane:
                 dst_runs=tuple((r.dst_start, r.num_pages) for r in runs),
                 timeout_ms=s.timeout_s * 1e3, traceparent=tracing.traceparent(),
                 sender=route.sender)
-            sock, fresh = self._checkout(s)
+            sock, carried = self._checkout(s)
             s.attach(sock)
             reusable = False
             try:
-                reply = request_copy(
-                    sock, write_message(self._pool_key, self._num_pages, runs), header,
-                    (self._readonly_fd,) if fresh else (), time.monotonic() + s.timeout_s,
-                    lambda: None, f"agent {route.agent_id}")
+                message, fds, keys = self._message(runs, carried)
+                reply = request_copy(sock, message, header, fds, time.monotonic() + s.timeout_s,
+                                     lambda: None, f"agent {route.agent_id}")
+                carried |= keys
                 reusable = True
             except PeerUnavailable as exc:  # the connection broke: the agent sorts it out
                 if s.cancelled:
@@ -169,7 +197,7 @@ class SameHostLane:
                                    ) from None
             finally:
                 s.attach(None)
-                self._checkin(route, sock, reusable and not s.cancelled)
+                self._checkin(route, sock, carried, reusable and not s.cancelled)
             try:
                 raise_refusal(reply)
             except SegmentUnavailable as exc:
@@ -192,33 +220,48 @@ class SameHostLane:
                   "peer": route.agent_id}  # told to this host's agent in `settle`
         return report
 
+    def _message(self, runs: list[PageRun], carried: set[str]
+                 ) -> tuple[dict[str, Any], tuple[int, ...], set[str]]:
+        """The shm_write for `runs`, the descriptors of the pools the connection has not carried
+        yet, and the pools it carries after."""
+        message = write_message(self.pool_key, self._num_pages, runs)
+        r = self._relayout
+        if r is None:
+            fds = () if self.pool_key in carried else (self.readonly_fd,)
+            return message, fds, {self.pool_key}
+        new = [(key, fd) for key, fd in r.sources if key not in carried]
+        message.update(columns=[c.to_json() for c in r.columns], row_bytes=r.row_bytes,
+                       maps=[key for key, _ in new])
+        return message, tuple(fd for _, fd in new), {key for key, _ in r.sources}
+
     def note(self, message: dict[str, object]) -> None:
         self._agent.note(message)
 
     def _note_failure(self, exc: KvTransferError) -> None:
         self._agent.note({"op": "sent", "ok": False, "cause": cause(exc)})
 
-    def _checkout(self, s: LaneSend) -> tuple[socket.socket, bool]:
-        """A connection to the route's agent, and whether it is new (the pool's descriptor
-        goes with its first write)."""
+    def _checkout(self, s: LaneSend) -> tuple[socket.socket, set[str]]:
+        """A connection to the route's agent, and the pools it has carried (a pool's descriptor
+        goes with the first write from it)."""
         with self._lock:
             idle = self._idle.get(s.route.local_socket)
             if idle:
-                return idle.pop(), False
+                return idle.pop()
         try:
             return open_connection(s.route.local_socket, s.route.token,
-                                   lambda: s.route.token), True
+                                   lambda: s.route.token), set()
         except SegmentUnavailable as exc:
             self._remember((s.dest.agent_address, s.dest.agent_epoch), None)
             log.info("agent %s is not reachable on this host (%s): handoffs to it go through "
                      "this host's agent", s.route.agent_id, exc.message)
             raise _UseAgent() from None
 
-    def _checkin(self, route: Route, sock: socket.socket, reusable: bool) -> None:
+    def _checkin(self, route: Route, sock: socket.socket, carried: set[str], reusable: bool
+                 ) -> None:
         with self._lock:
             idle = self._idle.setdefault(route.local_socket, [])
             if reusable and len(idle) < MAX_IDLE_PER_PEER:
-                idle.append(sock)
+                idle.append((sock, carried))
                 return
         sock.close()
 
@@ -226,9 +269,9 @@ class SameHostLane:
         with self._lock:
             idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for sock in conns:
+            for sock, _ in conns:
                 sock.close()
-        os.close(self._readonly_fd)
+        os.close(self.readonly_fd)
 
 
 class LaneSend:
@@ -237,12 +280,12 @@ class LaneSend:
 
     def __init__(self, lane: SameHostLane, route: Route, ticket: TicketKey,
                  src_page_ids: list[int], dest: Destination, timeout_s: float,
-                 through_agent: Callable[[], Send]):
+                 through_agent: Callable[[], Fallback]):
         self.route, self.ticket, self.src_page_ids = route, ticket, src_page_ids
         self.dest, self.timeout_s = dest, timeout_s
         self._lane = lane
         self._through_agent = through_agent
-        self._fallback: Send | None = None
+        self._fallback: Fallback | None = None
         self.note: dict[str, object] | None = None  # what this host's agent is told after
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None

@@ -112,6 +112,7 @@ def test_every_split_hands_off_token_exact_and_frees_its_pages(stacks, reference
                 elif pages > 1:  # the decode side held the full pages before the last
                     assert 1 <= timing.kv_pages < pages and timing.decode_cached_tokens, where
                 assert timing.kv_bytes == timing.kv_pages * PAGE_BYTES, where  # all heads, once
+                _check_rank_parts(timing, p, d, transport, where)
         stats = stack.decode_stats()
         assert stats.fingerprint.tp_size == d and stats.fingerprint.num_kv_heads == 2 // d
         assert stack.prefill_stats().fingerprint.tp_size == p
@@ -154,3 +155,14 @@ def test_tp4_and_biased_projections_equal_transformers(arch, tp, tmp_path):
     finally:
         engine.close()
     assert _rank_processes() == []
+
+
+def _check_rank_parts(timing, p: int, d: int, transport: str, where: str) -> None:
+    """Timing shows each decode rank's part: the prefill ranks its heads came from, its bytes
+    (a 1/D share), and how they changed layout (on one host in the receiver's copy)."""
+    relayout = "" if p == d else "receiver" if transport == "shm" else "staging"
+    got = [(r.decode_rank, r.prefill_rank_first, r.prefill_rank_last, r.kv_bytes, r.transport,
+            r.relayout) for r in timing.kv_ranks]
+    assert got == [(k, k * p // d, ((k + 1) * p - 1) // d, timing.kv_bytes // d, transport,
+                    relayout) for k in range(d)], where
+    assert all(0 < r.handoff_ms <= timing.kv_transfer_ms + 1e-6 for r in timing.kv_ranks), where

@@ -290,22 +290,28 @@ def test_the_colocated_worker_is_traced_under_its_own_name(receiver, tiny_model_
     assert not [x for x in mine if x.name.startswith("kv.")]  # no handoff between agents
 
 
-def test_a_handoff_between_tp_splits_shows_each_rank_pair(receiver, tiny_model_dir):
-    """Prefill TP 2 -> decode TP 1: one kv.rank_handoff span under prefill.request names where
-    the decode rank's heads came from (packed from prefill ranks 0..1), and the parts' kv.send
-    / kv.receive spans are in the same trace."""
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2)])
+def test_a_handoff_between_tp_splits_shows_each_rank_pair(receiver, tiny_model_dir, p, d):
+    """Prefill TP P -> decode TP D on one host: a kv.rank_handoff span per decode rank under
+    prefill.request names where that rank's heads came from and how (re-laid out in the
+    receiving agent's copy, nothing packed); together they carry the handoff's bytes."""
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
-    with pdserve_stack("--otlp-endpoint", f"127.0.0.1:{receiver.port}", "--prefill-tp", "2",
-                       env=env) as s:
+    with pdserve_stack("--otlp-endpoint", f"127.0.0.1:{receiver.port}", "--prefill-tp", str(p),
+                       "--decode-tp", str(d), env=env) as s:
         rid = "trace-tp-" + secrets.token_hex(4)
         _, _, timing, _ = collect(s.generate(request_id=rid, prompt="def fibonacci(n):",
                                              max_tokens=4, temperature=0.0, ignore_eos=True))
         spans = _trace_of(receiver, rid)
     by_id = {sp.span_id: sp for sp in spans}
-    rank = _one(spans, "kv.rank_handoff")
-    assert by_id[rank.parent_span_id].name == "prefill.request"
-    assert rank.attributes["prefill_tp"] == 2 and rank.attributes["decode_tp"] == 1
-    assert rank.attributes["decode_rank"] == 0
-    assert rank.attributes["source"] == "packed from prefill ranks 0..1"
-    assert rank.attributes["kv_bytes"] == timing.kv_bytes > 0
-    assert rank.attributes["pack_ms"] > 0
+    ranks = sorted((sp for sp in spans if sp.name == "kv.rank_handoff"),
+                   key=lambda sp: sp.attributes["decode_rank"])
+    assert [sp.attributes["decode_rank"] for sp in ranks] == list(range(d))
+    for rank in ranks:
+        assert by_id[rank.parent_span_id].name == "prefill.request"
+        assert rank.attributes["prefill_tp"] == p and rank.attributes["decode_tp"] == d
+        first = rank.attributes["decode_rank"] * p // d
+        last = ((rank.attributes["decode_rank"] + 1) * p - 1) // d
+        assert rank.attributes["source"] == \
+            f"prefill ranks {first}..{last}, re-laid out in the receiver's copy"
+        assert rank.attributes["pack_ms"] == 0 and rank.attributes["kv_transport"] == "shm"
+    assert sum(sp.attributes["kv_bytes"] for sp in ranks) == timing.kv_bytes > 0

@@ -100,6 +100,65 @@ int pdserve_stream_copy(void *dst, const void *src, size_t n) {
     return 0;
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+/* n bytes, a multiple of 64, to a 64-byte aligned dst: one line at a time. */
+__attribute__((target("avx512f")))
+static void lines_avx512(char *dst, const char *src, size_t n) {
+    for (size_t i = 0; i < n; i += 64)
+        _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+}
+
+__attribute__((target("avx")))
+static void lines_avx(char *dst, const char *src, size_t n) {
+    for (size_t i = 0; i < n; i += 32)
+        _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+}
+
+static void lines_sse2(char *dst, const char *src, size_t n) {
+    for (size_t i = 0; i < n; i += 16)
+        _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+}
+#endif
+
+/* The re-layout of a handoff between tensor-parallel splits, as one copy. A page is rows of
+ * (layer, K/V, token), each row the KV heads side by side, so a rank's heads are a column of
+ * every row. Fill `rows` rows of `dst` (`dst_row` bytes apart) from `nsrc` sources: row r's
+ * bytes dst_offs[k] .. dst_offs[k] + widths[k] - 1 from srcs[k] + r * src_rows[k] (the
+ * column's first byte in source k's row r). Row by row, so the destination is written in
+ * order whatever the number of sources (a column at a time writes it in strides, a third
+ * slower here). Streaming stores when `stream` and every piece is whole aligned lines (a row
+ * piece is heads of 64-128 elements: multiples of 64 bytes); memcpy otherwise. Returns 0. */
+int pdserve_gather_rows(void *dst, size_t dst_row, size_t rows, int nsrc, const uintptr_t *srcs,
+                        const size_t *src_rows, const size_t *dst_offs, const size_t *widths,
+                        int stream) {
+    char *d = (char *)dst;
+#if defined(__x86_64__) || defined(__i386__)
+    static stream_fn lines = NULL;
+    if (lines == NULL) {
+        stream_fn f = pick();
+        lines = f == stream_avx512 ? lines_avx512 : f == stream_avx ? lines_avx : lines_sse2;
+    }
+    int lined = stream && dst_row % 64 == 0 && ((uintptr_t)d & 63) == 0;
+    for (int k = 0; k < nsrc && lined; k++)
+        lined = dst_offs[k] % 64 == 0 && widths[k] % 64 == 0;
+    if (lined) {
+        for (size_t r = 0; r < rows; r++)
+            for (int k = 0; k < nsrc; k++)
+                lines(d + r * dst_row + dst_offs[k], (const char *)srcs[k] + r * src_rows[k],
+                      widths[k]);
+        _mm_sfence();  /* the stores are visible before the caller says the pages landed */
+        return 0;
+    }
+#else
+    (void)stream;
+#endif
+    for (size_t r = 0; r < rows; r++)
+        for (int k = 0; k < nsrc; k++)
+            memcpy(d + r * dst_row + dst_offs[k], (const char *)srcs[k] + r * src_rows[k],
+                   widths[k]);
+    return 0;
+}
+
 /* ---- The receiving agent's native same-host write (pdserve.kvtransfer.native) ------------------
  *
  * A decode agent arms each expected ticket here (its reserved pages as spans, the pool's
