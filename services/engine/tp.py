@@ -102,6 +102,15 @@ class Group:
         self.timer = Timer()
         self._peers: list[socket.socket] = []  # rank 0: a socket to each other rank
 
+    def connect(self, peers: list[socket.socket]) -> None:
+        """Rank 0: the sockets its steps go to the other ranks on (rank r's at r - 1)."""
+        self._peers = peers
+
+    def hang_up(self) -> None:
+        """Rank 0: close every other rank's socket (they see it and exit)."""
+        for peer in self._peers:
+            peer.close()
+
     def start_step(self, batch: Batch) -> None:
         """Rank 0: hand `batch` to every other rank."""
         message = encode_batch(batch)
@@ -204,7 +213,7 @@ class Ranks:
                      str(theirs.fileno()), str(pool.fd), json.dumps(asdict(spec))],
                     pass_fds=(theirs.fileno(), pool.fd), preexec_fn=_rank_setup(cores[rank])))
                 theirs.close()
-            group._peers = peers
+            group.connect(peers)
             ranks._join(store, timeout_s)
             for rank, peer in enumerate(peers, start=1):
                 ranks._await_ready(rank, peer, timeout_s)
@@ -270,8 +279,7 @@ class Ranks:
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every other rank (hang up, then SIGTERM, then SIGKILL) and leave the group."""
         self._closing = True
-        for peer in self.group._peers:
-            peer.close()
+        self.group.hang_up()
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:

@@ -43,6 +43,16 @@ C = TypeVar("C", bound=WorkerConfig)
 W = TypeVar("W", bound=Worker)
 
 
+class _Serving:
+    """What the worker's health check, its server and its rank watcher share: whether it is
+    ready, why it failed (a rank died: "" while none has), and how to stop it."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.failed = ""
+        self.stop: Callable[[], None] = lambda: None
+
+
 def run_worker(role: str, config_cls: type[C], argv: list[str] | None,
                make_worker: Callable[[C, EngineLoop, str], W],
                servicers: Callable[[W], Callable[[grpc.Server], None]], description: str) -> int:
@@ -108,32 +118,30 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
              "on" if engine.config.prefix_caching else "off", threads,
              format_cpu_list(sorted(os.sched_getaffinity(0))),
              f", tensor-parallel rank 0 of {cfg.tp}" if cfg.tp > 1 else "")
-    failed: list[str] = []
-    stop = [lambda: None]
+    state = _Serving()
     if engine.ranks is not None:
         def rank_died(rank: int, code: int) -> None:  # the worker cannot step without it
-            failed.append(f"tensor-parallel rank {rank} exited (code {code})")
-            log.error("%s: %s; the worker stops", worker_id, failed[-1])
-            stop[0]()
+            state.failed = f"tensor-parallel rank {rank} exited (code {code})"
+            log.error("%s: %s; the worker stops", worker_id, state.failed)
+            state.stop()
         engine.ranks.on_death = rank_died
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)
-    ready = [False]
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
         handle = start(role, cfg.port, servicers(worker), host=cfg.host,
-                       ready=lambda: ready[0] and not failed, grace_s=cfg.grace_s,
+                       ready=lambda: state.ready and not state.failed, grace_s=cfg.grace_s,
                        on_drain=worker_drain(worker), credentials=server_credentials(cfg))
-        stop[0] = handle.request_stop
-        if failed:
+        state.stop = handle.request_stop
+        if state.failed:
             handle.request_stop()
         if cfg.warmup:
             log.info("%s: warmed up in %.0f ms", worker_id, warm_up(loop, role))
         worker.register()
-        ready[0] = True
+        state.ready = True
         log.info("%s serving on port %d, pool %s", worker_id, handle.port, worker.pool_id)
         handle.wait()
-        return 1 if failed else 0
+        return 1 if state.failed else 0
     finally:
         if metrics is not None:
             metrics.close()

@@ -117,3 +117,13 @@ def test_the_client_shows_each_decode_ranks_part():
     assert breakdown(t).splitlines()[-1] == (
         "  decode rank 0 <- prefill ranks 0..1: 3,145,728 bytes over shm, re-laid out in the "
         "receiver's copy, 2.5 ms (moving them took 2.8 ms)")
+
+
+def test_without_the_native_library_the_gather_is_numpys(monkeypatch):
+    monkeypatch.setattr(fastcopy, "library", lambda: None)
+    rng = np.random.default_rng(7)
+    srcs = [rng.integers(0, 255, (20, 192), dtype=np.uint8) for _ in range(2)]
+    dst = np.zeros((20, 256), np.uint8)
+    fastcopy.gather_rows(dst, [Column(srcs[0], 64, 0, 128), Column(srcs[1], 0, 128, 128)],
+                         1 << 30)
+    assert np.array_equal(dst, np.concatenate([srcs[0][:, 64:], srcs[1][:, :128]], 1))
