@@ -12,9 +12,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pdserve.common.errors import ServiceError
+from pdserve.common.kv.relayout import ColumnSpec
 from pdserve.common.shm import memfd_mappings
+from pdserve.common.wire import destination_from_pb, fingerprint_from_pb, ticket_from_pb
+from pdserve.v1 import common_pb2
+from pdserve.worker.samehost import Relayout, SameHostLane
 
-from tests.service.test_kvtransfer import Agent, Pair, Pool, agent, expect, new_ticket, send
+from tests.service.test_kvtransfer import (
+    FP,
+    NUM_PAGES,
+    PAGE_BYTES,
+    Agent,
+    Pair,
+    Pool,
+    agent,
+    expect,
+    new_ticket,
+    send,
+)
 from tests.support import free_port, wait_for
 
 pytestmark = pytest.mark.service
@@ -84,3 +100,57 @@ def test_a_receiver_unmaps_a_senders_pool_once_its_worker_is_gone(lane: bool) ->
         finally:
             pair.src.close()
             pair.dst.close()
+
+
+def _relayout_lane(src: list[Pool], sender: Agent, columns: list[tuple[int, int, int]]
+                   ) -> SameHostLane:
+    """A lane whose writes fill each destination row from `columns` (pool index, source
+    byte, destination byte, width) of the source pools' rows, as a TP prefill worker's."""
+    lanes = [pool.lane(sender) for pool in src]
+    client = src[0]._lanes[0][0]
+    fingerprint = fingerprint_from_pb(FP)
+    assert fingerprint is not None
+    specs = [ColumnSpec(lanes[i].pool_key, NUM_PAGES, PAGE_BYTES, ROW, s, d, w)
+             for i, s, d, w in columns]
+    lane = SameHostLane(client, src[0].segment.fd, NUM_PAGES, PAGE_BYTES, fingerprint,
+                        "relayout", Relayout([(ln.pool_key, ln.readonly_fd) for ln in lanes],
+                                             specs, ROW))
+    src[0]._lanes.append((client, lane))  # closed with the pool (the client only once)
+    return lane
+
+
+ROW = 2 * 16 * 4  # a page row of FP's layout: 2 KV heads x 16 x fp32
+
+
+def test_a_relayout_write_fills_each_row_from_its_sources_and_a_bad_one_lands_nothing():
+    """The same-host write between TP splits: the receiving agent fills each reserved page's
+    rows with head 0 of one pool and head 1 of another. Columns that do not fill the rows are
+    refused naming why, nothing lands, and the ticket still takes the right write."""
+    with agent(free_port(), "--transport", "tcp") as a, \
+            agent(free_port(), "--transport", "tcp") as b:
+        src = [Pool(a.stub, "prefill-0", seed=1), Pool(a.stub, "prefill-0/tp1", seed=3)]
+        dst = Pool(b.stub, "decode-0", seed=2)
+        try:
+            half = ROW // 2
+            bad = _relayout_lane(src, a, [(0, 0, 0, half), (1, half, half + 16, half - 16)])
+            good = _relayout_lane(src, a, [(1, half, half, half), (0, 0, 0, half)])
+            ticket = new_ticket()
+            expect(b, dst, ticket, [7, 8, 9])
+            before = dst.snapshot()
+            destination = destination_from_pb(common_pb2.KVDestination(
+                agent_address=b.address, pool_id=dst.pool_id, page_ids=[7, 8, 9],
+                agent_epoch=dst.agent_epoch, fingerprint=FP))
+            with pytest.raises(ServiceError, match="re-layout columns do not fill the "
+                                                   "destination's 128-byte rows") as refused:
+                bad.send(ticket_from_pb(ticket), "", [3, 4, 5], destination, 10).result()
+            assert refused.value.code == "INVALID_ARGUMENT"
+            assert np.array_equal(dst.snapshot(), before)
+            report = good.send(ticket_from_pb(ticket), "", [3, 4, 5], destination, 10).result()
+            assert report.transport == "shm" and report.kv_pages == 3
+            for s, d in zip([3, 4, 5], [7, 8, 9]):
+                rows = dst.page(d).reshape(-1, ROW)
+                assert np.array_equal(rows[:, :half], src[0].page(s).reshape(-1, ROW)[:, :half])
+                assert np.array_equal(rows[:, half:], src[1].page(s).reshape(-1, ROW)[:, half:])
+        finally:
+            for pool in (*src, dst):
+                pool.close()
