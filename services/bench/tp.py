@@ -2,13 +2,14 @@
 
 Three engines, each in a process of its own started with the cores it may use, interleaved
 round by round on the same prompts: TP 1 on one core, TP 1 on both (two threads), and TP 2
-(rank 0 on the first core, rank 1 on the second, one thread each, gloo all-reduces over
-loopback). Each times the prefill of one prompt alone, from queued to first token sampled,
-through the prefill engine as a prefill worker runs it (chunks of `--chunk-size`), and for TP 2
-the all-reduce time inside it (two per layer: after attention and after the MLP). The target:
-TP 2 >= 1.6x faster than TP 1 on one core for prompts of 2k tokens and more; the figure against
-TP 1 on both cores beside it. Needs two cores; the model's heads must divide by 2 (the default
-`bench-152m`: 16 heads, 4 KV heads).
+(rank 0 on the first core, rank 1 on the second, one thread each, all-reduces through shared
+memory as a worker's; `PDSERVE_TP_SHARED_REDUCE=0` in the environment: over gloo). Each times
+the prefill of one prompt alone, from queued to first token sampled, through the prefill engine
+as a prefill worker runs it (chunks of `--chunk-size`), and for TP 2 the all-reduce time inside
+it (two per layer: after attention and after the MLP). The target: TP 2 >= 1.6x faster than TP
+1 on one core for prompts of 2k tokens and more; the figure against TP 1 on both cores beside
+it. Needs two cores; the model's heads must divide by 2 (the default `bench-152m`: 16 heads, 4
+KV heads).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from pdserve.common.native import build_shared, compiler, kernels_dir, prebuild_
 from pdserve.common.native import cpu_flags as _cpu_flags
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention.c", "prefill_attention.c", "rope_store.c"))
+                for name in ("paged_attention.c", "prefill_attention.c", "rope_store.c",
+                             "allreduce.c"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("kv_types.h", "kv_instantiate.h"))
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # pool dtypes the kernels read

@@ -12,9 +12,15 @@ from pathlib import Path
 
 from pdserve.common.cpus import format_cpu_list
 from pdserve.common.models import ModelRef, resolve_model_name
-from pdserve.engine import builtin
+from pdserve.engine import builtin, kernels
 from pdserve.engine.engine import Engine, EngineConfig
-from pdserve.engine.model import PagedCausalLM, check_architecture, load_model, read_config
+from pdserve.engine.model import (
+    PagedCausalLM,
+    check_architecture,
+    gemm_rows,
+    load_model,
+    read_config,
+)
 from pdserve.engine.pool import KVPool
 from pdserve.engine.sizing import PoolPlan, plan_pool
 from pdserve.engine.tp import Group, Ranks, RankSpec, split_cores
@@ -54,6 +60,16 @@ def pool_plan(model: PagedCausalLM, role: str, block_size: int, num_pages: int =
                      max_model_len=max_model_len, num_pages=num_pages, kv_cache_mb=kv_cache_mb)
 
 
+def shared_slot_bytes(model: PagedCausalLM, max_step_tokens: int) -> int:
+    """The shared-memory all-reduce's slot: a step's largest partial sum (rows x hidden, fp32);
+    0 (gloo only) for other dtypes, without the native kernels, or with
+    PDSERVE_TP_SHARED_REDUCE=0."""
+    if model.dtype_name != "float32" or os.environ.get("PDSERVE_TP_SHARED_REDUCE") == "0" \
+            or kernels.library() is None:
+        return 0
+    return gemm_rows(max_step_tokens) * int(model.config.hidden_size) * 4
+
+
 def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "cpu",
                  block_size: int = 16, num_pages: int = 0, kv_cache_mb: int = 0,
                  max_model_len: int = 0, chunk_size: int = 512, max_num_seqs: int = 256,
@@ -90,7 +106,8 @@ def build_engine(model: str, *, role: str, dtype: str = "auto", device: str = "c
             log.warning("%d tensor-parallel ranks on %d cores: ranks share cores, and each "
                         "all-reduce waits for the slowest", tp, len({c for s in cores for c in s}))
         spec = RankSpec(str(directory), model_id, dtype, device, block_size, plan.num_pages,
-                        tp, 0, tp_threads or max(1, len(cores[1])))
+                        tp, 0, tp_threads or max(1, len(cores[1])),
+                        shared_slot_bytes(loaded, max(max_prefill_tokens, max_num_seqs)))
         log.info("starting tensor-parallel ranks 1..%d on cores %s", tp - 1,
                  "; ".join(format_cpu_list(c) for c in cores[1:]))
         fp = loaded.fingerprint(block_size)

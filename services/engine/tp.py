@@ -30,10 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from pdserve.common.shm import SharedSegment
+from pdserve.engine import kernels
 from pdserve.engine.batch import Batch
 from pdserve.engine.pool import KVPool
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -41,6 +44,10 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 log = logging.getLogger("pdserve.engine.tp")
 PR_SET_PDEATHSIG = 1
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective that long is a hung rank, not a slow one
+# A shared all-reduce of fewer bytes keeps the GIL for its first HELD_WAIT_S (cheaper than a
+# hand-over to the serving threads and back, for a sum of microseconds), then waits without it.
+SMALL_REDUCE_BYTES = 1 << 20
+HELD_WAIT_S = 0.002
 _LEN = struct.Struct("<Q")
 _TENSORS = ("input_ids", "positions", "query_starts", "context_lens", "block_tables",
             "slot_pages", "slot_offsets", "last_index")
@@ -63,6 +70,7 @@ class RankSpec:
     size: int
     store_port: int
     threads: int
+    slot_bytes: int = 0  # the shared-memory all-reduce's slot (0: gloo only)
 
 
 def split_cores(cpus: list[int], size: int) -> list[list[int]]:
@@ -93,6 +101,59 @@ class Timer:
         return calls, seconds
 
 
+class SharedReduce:
+    """The ranks' all-reduce through a shared segment (csrc/allreduce.c): float32 tensors up
+    to `slot_bytes`; gloo takes the rest. Every rank calls it in the same order, so the
+    sequence numbers agree."""
+
+    def __init__(self, segment: SharedSegment, rank: int, size: int, slot_bytes: int):
+        lib = kernels.library()
+        if lib is None:
+            raise RankFailed("the shared-memory all-reduce needs the native kernels (no C "
+                             "compiler, no prebuilt kernels)")
+        self.segment, self.rank, self.size, self.slot_bytes = segment, rank, size, slot_bytes
+        self._base = np.frombuffer(segment.buffer, dtype=np.uint8).ctypes.data
+        self._released = _declare(lib)  # the GIL released: large sums
+        self._held = _declare(ctypes.PyDLL(lib._name))  # kept: small ones (a decode step's)
+        self._seq = 0
+
+    @staticmethod
+    def segment_bytes(size: int, slot_bytes: int) -> int:
+        return 64 * (size + 1) + 2 * size * slot_bytes
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.nbytes > self.slot_bytes:
+            raise ValueError(f"the shared all-reduce takes contiguous float32 tensors of up to "
+                             f"{self.slot_bytes} bytes, not {t.dtype} of {t.nbytes}")
+        self._seq += 1
+        args = (self._base, self.rank, self.size, t.data_ptr(), t.numel(), self.slot_bytes,
+                self._seq)
+        rc = -1
+        if t.nbytes < SMALL_REDUCE_BYTES:  # first a short wait with the GIL held
+            rc = self._held(*args, 0, HELD_WAIT_S)
+        if rc == -1:  # (then without it: the thread that sets the abort flag can run)
+            rc = self._released(*args, int(t.nbytes < SMALL_REDUCE_BYTES),
+                                COLLECTIVE_TIMEOUT_S)
+        if rc:
+            raise RankFailed("tensor-parallel all-reduce: " + (
+                "a rank exited" if rc == -2 else
+                f"a rank did not arrive within {COLLECTIVE_TIMEOUT_S:.0f} s"))
+
+    def abort(self) -> None:
+        """Wake every rank waiting in an all-reduce, for good (a rank died, or the group
+        stops)."""
+        np.frombuffer(self.segment.buffer, dtype=np.uint64)[self.size * 8] = 1
+
+
+def _declare(lib: ctypes.CDLL) -> Any:
+    fn = lib.pdserve_shm_allreduce_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_double]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class Group:
     """This process's place in a worker's tensor-parallel group (`TensorParallel` in model.py)."""
 
@@ -100,6 +161,7 @@ class Group:
         self.rank = rank
         self.size = size
         self.timer = Timer()
+        self.shared: SharedReduce | None = None  # None: every all-reduce over gloo
         self._peers: list[socket.socket] = []  # rank 0: a socket to each other rank
 
     def connect(self, peers: list[socket.socket]) -> None:
@@ -123,7 +185,12 @@ class Group:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
-        dist.all_reduce(t)
+        shared = self.shared
+        if (shared is not None and t.dtype == torch.float32 and t.is_contiguous()
+                and t.nbytes <= shared.slot_bytes):
+            shared.all_reduce(t)
+        else:
+            dist.all_reduce(t)
         self.timer.seconds += time.perf_counter() - started
         self.timer.calls += 1
         return t
@@ -205,13 +272,21 @@ class Ranks:
         peers: list[socket.socket] = []
         ranks = cls(group, procs, pools)
         try:
+            shared_fd = -1
+            if spec.slot_bytes:
+                segment = SharedSegment.create(
+                    SharedReduce.segment_bytes(spec.size, spec.slot_bytes), tag="tp")
+                group.shared = SharedReduce(segment, 0, spec.size, spec.slot_bytes)
+                shared_fd = segment.fd
             for rank, pool in enumerate(pools, start=1):
                 mine, theirs = socket.socketpair()
                 peers.append(mine)
+                fds = (theirs.fileno(), pool.fd, *((shared_fd,) if shared_fd >= 0 else ()))
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pdserve.engine.tp_rank", str(rank),
-                     str(theirs.fileno()), str(pool.fd), json.dumps(asdict(spec))],
-                    pass_fds=(theirs.fileno(), pool.fd), preexec_fn=_rank_setup(cores[rank])))
+                     str(theirs.fileno()), str(pool.fd), str(shared_fd),
+                     json.dumps(asdict(spec))],
+                    pass_fds=fds, preexec_fn=_rank_setup(cores[rank])))
                 theirs.close()
             group.connect(peers)
             ranks._join(store, timeout_s)
@@ -270,6 +345,8 @@ class Ranks:
     def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         if not self._closing:
+            if self.group.shared is not None:  # no rank waits for it in an all-reduce
+                self.group.shared.abort()
             self.on_death(rank, code)
 
     @staticmethod
@@ -280,6 +357,8 @@ class Ranks:
         """Stop every other rank (hang up, then SIGTERM, then SIGKILL) and leave the group."""
         self._closing = True
         self.group.hang_up()
+        if self.group.shared is not None:
+            self.group.shared.abort()
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
@@ -295,6 +374,9 @@ class Ranks:
             dist.destroy_process_group()
         for pool in self.pools:
             pool.close()
+        if self.group.shared is not None:
+            self.group.shared.segment.close()
+            self.group.shared = None
 
 
 def _rank_setup(cpus: list[int]) -> Callable[[], None]:
