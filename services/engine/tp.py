@@ -121,8 +121,12 @@ class SharedReduce:
     def segment_bytes(size: int, slot_bytes: int) -> int:
         return 64 * (size + 1) + 2 * size * slot_bytes
 
+    def takes(self, t: torch.Tensor) -> bool:
+        """Whether `t` goes through the segment: contiguous float32 that fits a slot."""
+        return t.dtype == torch.float32 and t.is_contiguous() and t.nbytes <= self.slot_bytes
+
     def all_reduce(self, t: torch.Tensor) -> None:
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.nbytes > self.slot_bytes:
+        if not self.takes(t):
             raise ValueError(f"the shared all-reduce takes contiguous float32 tensors of up to "
                              f"{self.slot_bytes} bytes, not {t.dtype} of {t.nbytes}")
         self._seq += 1
@@ -186,8 +190,7 @@ class Group:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         shared = self.shared
-        if (shared is not None and t.dtype == torch.float32 and t.is_contiguous()
-                and t.nbytes <= shared.slot_bytes):
+        if shared is not None and shared.takes(t):
             shared.all_reduce(t)
         else:
             dist.all_reduce(t)

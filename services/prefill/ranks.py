@@ -39,7 +39,7 @@ from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey, rank_ticket
 from pdserve.engine.pool import KVPool
 from pdserve.prefill.shipment import Handoff, Sends, Shipment
-from pdserve.prefill.staging import Packed, Staging, packer, staging_pages
+from pdserve.prefill.staging import Packed, Staging, head_cuts, packer, staging_pages
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.samehost import Relayout, SameHostLane
 
@@ -129,26 +129,20 @@ class Sources:
         rank `rank` of `size`'s (None without same-host lanes)."""
         if stage.lane is None or any(s.lane is None for s in self.ranks):
             return None
-        pool = self.ranks[0].pool
-        per_source, head_bytes = pool.tensor.shape[-2], pool.tensor.shape[-1] * \
-            pool.tensor.element_size()
-        per_rank = per_source * len(self.ranks) // size
-        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        tensor = self.ranks[0].pool.tensor
+        per_source, head_bytes = tensor.shape[-2], tensor.shape[-1] * tensor.element_size()
         sources, columns = [], []
-        for s, src in enumerate(self.ranks):
-            a, b = max(lo, s * per_source), min(hi, (s + 1) * per_source)
-            if a >= b:
-                continue
-            lane = src.lane
-            assert lane is not None
-            sources.append((lane.pool_key, lane.readonly_fd))
-            columns.append(ColumnSpec(lane.pool_key, src.pool.num_pages, src.pool.page_bytes,
-                                      per_source * head_bytes, (a - s * per_source) * head_bytes,
-                                      (a - lo) * head_bytes, (b - a) * head_bytes))
+        for s, src_at, dst_at, heads in head_cuts(per_source, len(self.ranks), rank, size):
+            src = self.ranks[s]
+            assert src.lane is not None
+            sources.append((src.lane.pool_key, src.lane.readonly_fd))
+            columns.append(ColumnSpec(src.lane.pool_key, src.pool.num_pages, src.pool.page_bytes,
+                                      per_source * head_bytes, src_at * head_bytes,
+                                      dst_at * head_bytes, heads * head_bytes))
         return SameHostLane(stage.agent, stage.pool.fd, stage.pool.num_pages,
                             stage.pool.page_bytes, stage.pool.fingerprint,
                             f"{self.worker_id}/relayout{size}.{rank}",
-                            Relayout(sources, columns, per_rank * head_bytes))
+                            Relayout(sources, columns, stage.pool.tensor.shape[-2] * head_bytes))
 
     def _register(self, name: str, pool: KVPool) -> Source:
         source = Source(pool, self._connect(), "", None)

@@ -62,26 +62,38 @@ class Staging:
             self._cond.notify_all()
 
 
+def head_cuts(per_source: int, sources: int, rank: int, size: int
+              ) -> list[tuple[int, int, int, int]]:
+    """Where decode rank `rank` of `size`'s KV heads are among `sources` prefill ranks of
+    `per_source` heads each: (source, its first head, the decode rank's head it becomes, how
+    many), a contiguous range of every row of a page each."""
+    per_rank = per_source * sources // size
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    cuts = []
+    for s in range(sources):
+        a, b = max(lo, s * per_source), min(hi, (s + 1) * per_source)
+        if a < b:
+            cuts.append((s, a - s * per_source, a - lo, b - a))
+    return cuts
+
+
 def packer(sources: list[torch.Tensor], stage: torch.Tensor, rank: int, size: int
            ) -> Callable[[list[int], list[int]], None]:
     """pack(src pages, stage pages): decode rank `rank`'s KV heads of the prefill ranks' pages
     (pools `[pages, layers, 2, block, heads, head_dim]`) into `stage`'s pages."""
     per_source, head_dim = sources[0].shape[-2], sources[0].shape[-1]
     per_rank = per_source * len(sources) // size
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    cuts = [(src, max(lo, s * per_source), min(hi, (s + 1) * per_source), s * per_source)
-            for s, src in enumerate(sources)]
-    cuts = [c for c in cuts if c[1] < c[2]]
+    cuts = head_cuts(per_source, len(sources), rank, size)
     rows = stage[0].numel() // (per_rank * head_dim)  # (layer, K/V, token) rows of a page
 
     def pack(src_pages: list[int], dst_pages: list[int]) -> None:
         for run in coalesce(src_pages, dst_pages):
             s0, d0, n = run.src_start, run.dst_start, run.num_pages
             into = stage[d0:d0 + n].view(n * rows, per_rank * head_dim)
-            for src, a, b, base in cuts:  # a row's heads a..b-1 from this source, contiguous
-                into[:, (a - lo) * head_dim:(b - lo) * head_dim].copy_(
-                    src[s0:s0 + n].view(n * rows, per_source * head_dim)
-                    [:, (a - base) * head_dim:(b - base) * head_dim])
+            for s, src_at, dst_at, heads in cuts:
+                into[:, dst_at * head_dim:(dst_at + heads) * head_dim].copy_(
+                    sources[s][s0:s0 + n].view(n * rows, per_source * head_dim)
+                    [:, src_at * head_dim:(src_at + heads) * head_dim])
     return pack
 
 

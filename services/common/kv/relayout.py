@@ -18,6 +18,7 @@ pages are checked by the sink as for any write; a cancel stops the copy between 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +43,7 @@ class ColumnSpec:
     width: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"pool": self.pool, "num_pages": self.num_pages, "page_bytes": self.page_bytes,
-                "row_bytes": self.row_bytes, "src_off": self.src_off, "dst_off": self.dst_off,
-                "width": self.width}
+        return dataclasses.asdict(self)
 
 
 def parse_columns(message: dict[str, Any], dst_page_bytes: int) -> tuple[int, list[ColumnSpec]]:

@@ -14,9 +14,9 @@
  * yielding waiter takes the core from everything else on a busy host (other workers, the
  * process that must get there first), and a worker whose rank died could not even exit in
  * time. It gives up when the abort flag is set (a rank died: -2, seen within 10 ms) or after
- * wait_s (-1). `resume` != 0 goes on waiting for a call already published (the caller waited a short
- * while with the GIL held, then again without it, so its other threads can run meanwhile, the
- * one that sets the abort flag included).
+ * wait_s (-1). `resume` != 0 goes on waiting for a call already published (the caller waited a
+ * short while with the GIL held, then again without it, so its other threads can run
+ * meanwhile, the one that sets the abort flag included).
  */
 #include <limits.h>
 #include <linux/futex.h>
