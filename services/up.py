@@ -50,6 +50,9 @@ class UpConfig:
     same_host_lane: bool = option(True, "with the same-host copy, the prefill worker hands "
                                         "its pages to the decode side's agent itself (off: "
                                         "through its own agent, two more process hops)")
+    network_lane: bool = option(True, "with --transport tcp between the agents, the prefill "
+                                      "worker sends its pages onto the decode side's agent's "
+                                      "connection itself (off: through its own agent)")
     pipeline_handoff: bool = option(True, "prefill ships the pages each prompt chunk completes "
                                           "while the next chunk computes (off: all after the "
                                           "last chunk)")
@@ -217,7 +220,8 @@ def _plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
                 *py, "pdserve.prefill.main", "--port", addr.rsplit(":", 1)[1], "--kv-agent",
                 agent_a, *worker_common, "--tp", str(cfg.prefill_tp),
                 "--pipeline-handoff" if cfg.pipeline_handoff else "--no-pipeline-handoff",
-                "--same-host-lane" if cfg.same_host_lane else "--no-same-host-lane"]))
+                "--same-host-lane" if cfg.same_host_lane else "--no-same-host-lane",
+                "--network-lane" if cfg.network_lane else "--no-network-lane"]))
     procs.append(Proc("router", f"127.0.0.1:{cfg.port}", [
         *py, "pdserve.router.main", "--port", str(cfg.port), "--http-port", str(cfg.http_port),
         "--model", str(model_dir),

@@ -173,6 +173,10 @@ class WorkerMetrics:
                                       "decode because the decode worker held them", registry=r)
         self.bytes_not_sent = Counter("pdserve_kv_bytes_not_sent", "KV bytes of those pages",
                                       registry=r)
+        self.lane_handoffs = Counter("pdserve_kv_lane_handoffs", "KV handoffs (parts) this "
+                                     "prefill worker sent itself, by transport: shm (to an agent "
+                                     "of this host), tcp (to another host's); the rest went "
+                                     "through its agent", ("transport",), registry=r)
         r.register(_StatsCollector(role, stats))
 
     def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:

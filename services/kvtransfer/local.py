@@ -9,8 +9,10 @@ kernel closes the connection, the agent drops the pool and unmaps it, and the me
 Unix socket instead of a gRPC call each: `expect`, `cancel`, `status` (decode) and `send`
 (prefill). Peer agents on the same host send `shm_write` here (see shm.py), and so do prefill
 workers of this host that hand pages to this agent's pools themselves
-(pdserve.worker.samehost): their own agent tells them which destinations qualify (`peer`),
-and they tell it what they sent (`sent`, a note: no reply).
+(pdserve.worker.samehost): their own agent tells them which destinations qualify and how
+(`peer`: the same-host copy, or plain TCP to another host's agent), whether a destination
+still lives while they wait on it (`alive`), and they tell it what they sent (`sent`, a note:
+no reply).
 
 Requests and replies are JSON objects; an error reply is {"error": class name, "code": gRPC
 status name, "message": ...}. Only processes of this agent's user (or root) are served.
@@ -32,7 +34,13 @@ from pdserve.common.handoff import (
     report_to_json,
     ticket_from_json,
 )
-from pdserve.common.kv.errors import BadRequest, KvTransferError, status_name
+from pdserve.common.kv.errors import (
+    BadRequest,
+    KvTransferError,
+    PeerUnavailable,
+    StaleEpoch,
+    status_name,
+)
 from pdserve.common.kv.spans import send_span
 from pdserve.kvtransfer.pool import map_fd
 from pdserve.kvtransfer.shm import ShmReceiver
@@ -75,7 +83,7 @@ class LocalServer:
             "hello": self._hello, "register": self._register, "expect": self._expect,
             "cancel": self._cancel, "status": self._status, "send": self._send,
             "shm_write": lambda m, p, f, c: c.shm.write(m, p, f),
-            "peer": self._peer, "sent": self._sent,
+            "peer": self._peer, "alive": self._alive, "sent": self._sent,
         }
 
     def start(self) -> None:
@@ -215,18 +223,42 @@ class LocalServer:
 
     def _peer(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
               ) -> dict[str, Any]:
-        """May a worker of this host copy to the agent at `address` (epoch `epoch`) itself?
-        Only when this agent would use the same-host copy there, and writes need no grant
-        (under mutual TLS only agents hold grants: the worker sends through this agent)."""
+        """May a worker of this host send to the agent at `address` (epoch `epoch`) itself, and
+        how? Over the same-host copy where this agent would use it; over the network
+        transport (`tcp_address`) where that is plain TCP and the worker asks for it (`network`).
+        Never when writes need a grant (under mutual TLS only agents hold grants). `remote`:
+        the worker found that agent's local socket unreachable from this host; `same_host`
+        false: the worker does not copy on this host itself."""
         a = self._agent
         address, epoch = str(m["address"]), int(m["epoch"])
-        if a.shm is None or a.ask_grants or epoch == a.epoch:
+        if a.ask_grants or epoch == a.epoch:
             return {"usable": False}
         peer = a.peers.lookup(address, epoch)
-        if not a.shm.usable(peer):
+        if a.shm is not None and m.get("remote") and a.shm.usable(peer):
+            a.shm.mark_remote(peer)
+            log.info("agent %s at %s is not reachable on this host (a worker here cannot reach "
+                     "its local socket %s): handoffs to it go over %s", peer.agent_id,
+                     peer.address, peer.local_socket, a.transport.name)
+        if m.get("same_host", True) and a.shm is not None and a.shm.usable(peer):
+            return {"usable": True, "agent_id": peer.agent_id, "local_socket": peer.local_socket,
+                    "local_token": peer.local_token.hex(), "sender": a.agent_id}
+        terms = a.transport.lane_terms()
+        if not m.get("network") or terms is None or peer.transport != a.transport.name:
             return {"usable": False}
-        return {"usable": True, "agent_id": peer.agent_id, "local_socket": peer.local_socket,
-                "local_token": peer.local_token.hex(), "sender": a.agent_id}
+        return {"usable": True, "agent_id": peer.agent_id, "sender": a.agent_id,
+                "tcp_address": peer.contact.tcp_address, **terms}
+
+    def _alive(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
+               ) -> dict[str, Any]:
+        """Is the agent at `address` still there at `epoch`? (A worker's own lane waiting on
+        it asks now and then, as this agent's sender does.)"""
+        try:
+            self._agent.peers.check(str(m["address"]), int(m["epoch"]))
+        except StaleEpoch as exc:
+            return {"alive": False, "stale": True, "message": exc.message}
+        except PeerUnavailable as exc:
+            return {"alive": False, "stale": False, "message": exc.message}
+        return {"alive": True, "stale": False, "message": ""}
 
     def _sent(self, m: dict[str, Any], p: bytes, f: list[int], c: _Connection
               ) -> dict[str, Any]:

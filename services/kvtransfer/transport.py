@@ -87,6 +87,11 @@ class Transport(ABC):
         `TransferTimeout` when `timeout_s` passes, `PeerUnavailable` when the peer is gone.
         """
 
+    def lane_terms(self) -> dict[str, int] | None:
+        """What a worker of this host needs to send to this transport's peers itself (its
+        settings), or None when only the agent may (default). See the local socket's `peer`."""
+        return None
+
     def forget(self, peer: PeerContact) -> None:
         """Drop cached connections to `peer` (it restarted or failed). Default: nothing."""
         return None

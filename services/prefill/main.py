@@ -28,6 +28,9 @@ class PrefillConfig(WorkerConfig):
     same_host_lane: bool = option(True, "on one host, hand the pages to the decode side's "
                                         "agent directly (it copies them out of this worker's "
                                         "pool; off: through this host's agent)")
+    network_lane: bool = option(True, "to another host's agent over plain TCP, send the pages "
+                                      "from this worker's pool onto the connection itself "
+                                      "(off: through this host's agent)")
     prefill_wait_s: float = option(300.0, "longest a prompt may wait and run before its "
                                           "Prefill call fails (s)")
 
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_wait_s=cfg.prefill_wait_s,
                              pipeline_handoff=cfg.pipeline_handoff,
                              same_host_lane=cfg.same_host_lane,
+                             network_lane=cfg.network_lane,
                              connect=lambda: connect_agent(cfg))
 
     def servicers(worker: PrefillWorker) -> Callable[[grpc.Server], None]:

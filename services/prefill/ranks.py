@@ -41,7 +41,7 @@ from pdserve.engine.pool import KVPool
 from pdserve.prefill.shipment import Handoff, Sends, Shipment
 from pdserve.prefill.staging import Packed, Staging, head_cuts, packer, staging_pages
 from pdserve.worker.agent_client import AgentClient
-from pdserve.worker.samehost import Relayout, SameHostLane
+from pdserve.worker.samehost import LaneOptions, Relayout, SameHostLane
 
 
 @dataclass
@@ -72,11 +72,12 @@ class Sources:
     by decode TP size; `parts` plans one handoff over them."""
 
     def __init__(self, worker_id: str, own: Source, rank_pools: list[KVPool],
-                 connect: Callable[[], AgentClient], same_host_lane: bool):
+                 connect: Callable[[], AgentClient], lanes: LaneOptions | None):
+        """`lanes`: the lanes of every pool registered here (None: all through the agent)."""
         self.worker_id = worker_id
         self.ranks = [own]
         self._connect = connect
-        self._lane = same_host_lane
+        self._lanes = lanes
         self._staging: dict[int, list[tuple[Source, Staging, SameHostLane | None]]] = {}
         self._lock = threading.Lock()
         self._ahead = ThreadPoolExecutor(2, thread_name_prefix="kv-pack")
@@ -127,7 +128,8 @@ class Sources:
     def _relayout_lane(self, stage: Source, rank: int, size: int) -> SameHostLane | None:
         """The same-host lane whose writes re-lay this worker's ranks' pages out into decode
         rank `rank` of `size`'s (None without same-host lanes)."""
-        if stage.lane is None or any(s.lane is None for s in self.ranks):
+        if (self._lanes is None or not self._lanes.same_host or stage.lane is None
+                or any(s.lane is None for s in self.ranks)):
             return None
         tensor = self.ranks[0].pool.tensor
         per_source, head_bytes = tensor.shape[-2], tensor.shape[-1] * tensor.element_size()
@@ -152,9 +154,9 @@ class Sources:
         source.pool_id, _ = source.agent.register_pool(
             name, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
             on_registered=registered)
-        if self._lane:
+        if self._lanes is not None:
             source.lane = SameHostLane(source.agent, pool.fd, pool.num_pages, pool.page_bytes,
-                                       pool.fingerprint, name)
+                                       pool.fingerprint, name, options=self._lanes)
         return source
 
     def close(self) -> None:

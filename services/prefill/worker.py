@@ -34,7 +34,7 @@ from pdserve.prefill.ranks import RankShipments, Source, Sources
 from pdserve.prefill.shipment import Shipment
 from pdserve.worker.agent_client import AgentClient
 from pdserve.worker.cache_feed import CacheFeed
-from pdserve.worker.samehost import SameHostLane
+from pdserve.worker.samehost import LaneOptions, SameHostLane
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
 
@@ -45,7 +45,7 @@ class PrefillWorker:
     def __init__(self, loop: EngineLoop, agent: AgentClient, *, worker_id: str,
                  transfer_timeout_s: float = 30.0, prefill_wait_s: float = 300.0,
                  pipeline_handoff: bool = True, same_host_lane: bool = True,
-                 connect: Callable[[], AgentClient] | None = None):
+                 network_lane: bool = True, connect: Callable[[], AgentClient] | None = None):
         """`connect`: another client of the same agent (for the pools of tensor-parallel ranks
         and of handoffs to another TP size, each registered on a connection of its own)."""
         self.loop = loop
@@ -56,7 +56,6 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_wait_s = prefill_wait_s
         self.pipeline_handoff = pipeline_handoff
-        self.same_host_lane = same_host_lane
         self.lane: SameHostLane | None = None
         self.pool_id = ""
         self.epoch = time.time_ns() // 1000  # new at every start (cache events)
@@ -68,6 +67,8 @@ class PrefillWorker:
         self.sources: Sources | None = None  # made at register: ranks and staging pools
         self._finishers = ThreadPoolExecutor(8, thread_name_prefix="kv-rank-finish")
         self.metrics = WorkerMetrics(self.role, self.stats)
+        self.lanes = (LaneOptions(same_host_lane, network_lane, self._count_lane_handoff)
+                      if same_host_lane or network_lane else None)
         self.cache_feed = CacheFeed(loop)
 
     def register(self) -> None:
@@ -75,14 +76,17 @@ class PrefillWorker:
         self.pool_id, _ = self.agent.register_pool(
             self.worker_id, pool.fd, pool.num_pages, pool.page_bytes, pool.fingerprint,
             on_registered=self._registered)
-        if self.same_host_lane:
+        if self.lanes is not None:
             self.lane = SameHostLane(self.agent, pool.fd, pool.num_pages, pool.page_bytes,
-                                     pool.fingerprint, self.worker_id)
+                                     pool.fingerprint, self.worker_id, options=self.lanes)
         if self._connect is not None:
             self.sources = Sources(self.worker_id, Source(pool, self.agent, self.pool_id,
                                                           self.lane),
                                    self.engine.rank_pools[1:], self._connect,
-                                   self.same_host_lane)
+                                   self.lanes)
+
+    def _count_lane_handoff(self, transport: str) -> None:
+        self.metrics.lane_handoffs.labels(transport=transport).inc()
 
     def _registered(self, pool_id: str, agent_epoch: int) -> None:
         self.pool_id = pool_id  # again after an agent restart

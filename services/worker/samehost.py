@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError
@@ -51,6 +51,7 @@ from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.netlane import TcpLane
 
 log = logging.getLogger("pdserve.worker.samehost")
 MAX_IDLE_PER_PEER = 4
@@ -65,6 +66,9 @@ class Route:
     local_socket: str
     token: bytes
     sender: str  # this host's agent's id: the receiver counts the bytes as that peer's
+    tcp_address: str = ""  # set: another host's agent, over TCP (pdserve.worker.netlane)
+    write_bytes: int = 0
+    buffer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,17 @@ class Relayout:
     sources: Sequence[tuple[str, int]]
     columns: Sequence[ColumnSpec]
     row_bytes: int
+
+
+@dataclass(frozen=True)
+class LaneOptions:
+    """Which lanes a worker's pools get: `same_host` (to this host's other agents, the
+    same-host copy), `network` (to other hosts' agents, over TCP where this host's agent
+    offers it); `on_sent(transport)` is told each handoff a lane sent itself."""
+
+    same_host: bool = True
+    network: bool = False
+    on_sent: Callable[[str], None] = lambda transport: None
 
 
 class Fallback(Protocol):
@@ -97,9 +112,14 @@ class SameHostLane:
 
     def __init__(self, agent: AgentClient, pool_fd: int, num_pages: int, page_bytes: int,
                  fingerprint: LayoutFingerprint, worker_id: str,
-                 relayout: Relayout | None = None):
+                 relayout: Relayout | None = None, options: LaneOptions = LaneOptions()):
+        """`options.network` is ignored for re-laid-out writes: across hosts those go packed,
+        through the agent."""
         self._agent = agent
+        self._options = options
         self._relayout = relayout
+        self._tcp = (TcpLane(agent, pool_fd, num_pages, page_bytes)
+                     if options.network and relayout is None else None)
         self._num_pages = num_pages
         self._page_bytes = page_bytes
         self._fingerprint = fingerprint
@@ -124,20 +144,27 @@ class SameHostLane:
         # The fallback's request is made only if the lane cannot take the part.
         return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, fallback)
 
-    def route(self, dest: Destination) -> Route | None:
-        """The lane to the destination's agent, or None (send through this host's agent)."""
+    def route(self, dest: Destination, remote: bool = False) -> Route | None:
+        """The lane to the destination's agent, or None (send through this host's agent).
+        `remote`: its local socket proved unreachable from here (ask for the network route)."""
         key = (dest.agent_address, dest.agent_epoch)
         with self._lock:
-            if key in self._routes:
+            if key in self._routes and not remote:
                 return self._routes[key]
         try:
             reply = self._agent.call({"op": "peer", "address": dest.agent_address,
-                                      "epoch": dest.agent_epoch}, "same-host route")
+                                      "epoch": dest.agent_epoch, "remote": remote,
+                                      "same_host": self._options.same_host,
+                                      "network": self._tcp is not None}, "same-host route")
         except ServiceError as exc:  # not remembered: the agent path names what is wrong
-            log.debug("no same-host route to %s: %s", dest.agent_address, exc)
+            log.debug("no route of its own to %s: %s", dest.agent_address, exc)
             return None
         route = None
-        if reply.get("usable"):
+        if reply.get("usable") and reply.get("tcp_address"):
+            route = Route(str(reply["agent_id"]), "", b"", str(reply["sender"]),
+                          str(reply["tcp_address"]), int(reply["write_bytes"]),
+                          int(reply["buffer_bytes"]))
+        elif reply.get("usable") and not remote:
             route = Route(str(reply["agent_id"]), str(reply["local_socket"]),
                           bytes.fromhex(str(reply["local_token"])), str(reply["sender"]))
         self._remember(key, route)
@@ -164,9 +191,8 @@ class SameHostLane:
             try:
                 expect_same(self._fingerprint, dest.fingerprint, "source", "destination")
             except KvTransferError as exc:
-                self._note_failure(exc)
-                raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)
-                                   ) from None
+                self._fail(exc)
+        transport = "tcp" if route.tcp_address else "shm"
         with send_span(route.sender, s.ticket.request_id, dest.agent_address,
                        len(s.src_page_ids)) as span:
             header = WriteHeader(
@@ -176,49 +202,79 @@ class SameHostLane:
                 dst_runs=tuple((r.dst_start, r.num_pages) for r in runs),
                 timeout_ms=s.timeout_s * 1e3, traceparent=tracing.traceparent(),
                 sender=route.sender)
-            sock, carried = self._checkout(s)
-            s.attach(sock)
-            reusable = False
-            try:
-                message, fds, keys = self._message(runs, carried)
-                reply = request_copy(sock, message, header, fds, time.monotonic() + s.timeout_s,
-                                     lambda: None, f"agent {route.agent_id}")
-                carried |= keys
-                reusable = True
-            except PeerUnavailable as exc:  # the connection broke: the agent sorts it out
-                if s.cancelled:
-                    raise Aborted("the KV handoff was cancelled") from None
-                log.info("same-host lane to agent %s: %s; sending through the agent",
-                         route.agent_id, exc.message)
-                raise _UseAgent() from None
-            except KvTransferError as exc:  # timed out
-                self._note_failure(exc)
-                raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)
-                                   ) from None
-            finally:
-                s.attach(None)
-                self._checkin(route, sock, carried, reusable and not s.cancelled)
-            try:
-                raise_refusal(reply)
-            except SegmentUnavailable as exc:
-                self._remember((dest.agent_address, dest.agent_epoch), None)
-                log.info("agent %s cannot copy from this worker's pool (%s): handoffs to it go "
-                         "through this host's agent", route.agent_id, exc.message)
-                raise _UseAgent() from None
-            except KvTransferError as exc:
-                self._note_failure(exc)
-                raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)
-                                   ) from None
+            if route.tcp_address:
+                self._over_tcp(s, header, runs)
+            else:
+                self._over_shm(s, header, runs)
             elapsed_ms = (time.perf_counter() - started) * 1e3
-            report = TransferReport(elapsed_ms, header.kv_bytes, len(s.src_page_ids), "shm",
-                                    len(runs), elapsed_ms)
+            report = TransferReport(elapsed_ms, header.kv_bytes, len(s.src_page_ids),
+                                    transport, len(runs), elapsed_ms)
             span.report(report)
         with self._lock:
             self.copied += 1
-        s.note = {"op": "sent", "ok": True, "transport": "shm", "kv_bytes": report.kv_bytes,
+        self._options.on_sent(transport)
+        s.note = {"op": "sent", "ok": True, "transport": transport, "kv_bytes": report.kv_bytes,
                   "kv_pages": report.kv_pages, "seconds": elapsed_ms / 1e3,
                   "peer": route.agent_id}  # told to this host's agent in `settle`
         return report
+
+    def _over_shm(self, s: LaneSend, header: WriteHeader, runs: list[PageRun]) -> None:
+        route, dest = s.route, s.dest
+        sock, carried = self._checkout(s)
+        s.attach(sock)
+        reusable = False
+        try:
+            message, fds, keys = self._message(runs, carried)
+            reply = request_copy(sock, message, header, fds, time.monotonic() + s.timeout_s,
+                                 lambda: None, f"agent {route.agent_id}")
+            carried |= keys
+            reusable = True
+        except PeerUnavailable as exc:  # the connection broke: the agent sorts it out
+            if s.cancelled:
+                raise Aborted("the KV handoff was cancelled") from None
+            log.info("same-host lane to agent %s: %s; sending through the agent",
+                     route.agent_id, exc.message)
+            raise _UseAgent() from None
+        except KvTransferError as exc:  # timed out
+            self._fail(exc)
+        finally:
+            s.attach(None)
+            self._checkin(route, sock, carried, reusable and not s.cancelled)
+        try:
+            raise_refusal(reply)
+        except SegmentUnavailable as exc:
+            self._remember((dest.agent_address, dest.agent_epoch), None)
+            log.info("agent %s cannot copy from this worker's pool (%s): handoffs to it go "
+                     "through this host's agent", route.agent_id, exc.message)
+            raise _UseAgent() from None
+        except KvTransferError as exc:
+            self._fail(exc)
+
+    def _over_tcp(self, s: LaneSend, header: WriteHeader, runs: list[PageRun]) -> None:
+        assert self._tcp is not None
+        route, dest = s.route, s.dest
+        sender = self._tcp.sender(route.write_bytes, route.buffer_bytes)
+        try:
+            self._tcp.send(sender, route.tcp_address, header, runs, s.timeout_s,
+                           dest.agent_address, s.attach)
+        except PeerUnavailable as exc:
+            if s.cancelled:
+                raise Aborted("the KV handoff was cancelled") from None
+            sender.forget(route.tcp_address)
+            if not exc.retryable:
+                self._fail(exc)
+            # nothing was acknowledged (typically an idle connection gone stale): the agent
+            # tries again on a fresh connection, or names what is wrong
+            log.info("lane to agent %s: %s; sending through this host's agent",
+                     route.agent_id, exc.message)
+            raise _UseAgent() from None
+        except KvTransferError as exc:  # a refusal, a stale epoch, or timed out
+            self._fail(exc)
+
+    def _fail(self, exc: KvTransferError) -> NoReturn:
+        """The handoff's error, as the agent would have given it (and counted by it)."""
+        self._agent.note({"op": "sent", "ok": False, "cause": cause(exc)})
+        raise ServiceError(f"KV handoff failed: {exc.message}", status_name(exc)) from None
 
     def _message(self, runs: list[PageRun], carried: set[str]
                  ) -> tuple[dict[str, Any], tuple[int, ...], set[str]]:
@@ -237,9 +293,6 @@ class SameHostLane:
     def note(self, message: dict[str, object]) -> None:
         self._agent.note(message)
 
-    def _note_failure(self, exc: KvTransferError) -> None:
-        self._agent.note({"op": "sent", "ok": False, "cause": cause(exc)})
-
     def _checkout(self, s: LaneSend) -> tuple[socket.socket, set[str]]:
         """A connection to the route's agent, and the pools it has carried (a pool's descriptor
         goes with the first write from it)."""
@@ -251,9 +304,13 @@ class SameHostLane:
             return open_connection(s.route.local_socket, s.route.token,
                                    lambda: s.route.token), set()
         except SegmentUnavailable as exc:
-            self._remember((s.dest.agent_address, s.dest.agent_epoch), None)
             log.info("agent %s is not reachable on this host (%s): handoffs to it go through "
-                     "this host's agent", s.route.agent_id, exc.message)
+                     "this host's agent%s", s.route.agent_id, exc.message,
+                     " or over the network" if self._tcp is not None else "")
+            if self._tcp is not None:
+                self.route(s.dest, remote=True)  # the network route next time, if offered
+            else:
+                self._remember((s.dest.agent_address, s.dest.agent_epoch), None)
             raise _UseAgent() from None
 
     def _checkin(self, route: Route, sock: socket.socket, carried: set[str], reusable: bool
@@ -271,6 +328,8 @@ class SameHostLane:
         for conns in idle.values():
             for sock, _ in conns:
                 sock.close()
+        if self._tcp is not None:
+            self._tcp.close()
         os.close(self.readonly_fd)
 
 

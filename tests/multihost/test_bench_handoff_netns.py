@@ -33,14 +33,16 @@ def test_bench_handoff_across_two_hosts_measures_each_transport_and_cleans_up(tm
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "two hosts (network namespaces joined by a veth)" in done.stdout
     rows = {(r["path"], r["prompt_tokens"]): r for r in json.loads(out.read_text())}
-    assert set(rows) == {(p, n) for p in ("ucx", "tcp") for n in (8, 64)}
+    # tcp: the prefill worker's own lane; tcp-agent: through its agent (--no-network-lane)
+    transports = {"ucx": "ucx", "tcp": "tcp", "tcp-agent": "tcp"}
+    assert set(rows) == {(p, n) for p in transports for n in (8, 64)}
     for (path, tokens), r in rows.items():
         for s in r["samples"]:
-            assert s["kv_transport"] == path  # across hosts: never the same-host copy
+            assert s["kv_transport"] == transports[path]  # never the same-host copy
             assert s["kv_pages"] == (1 if tokens == 8 else 4)
             assert 0 < s["kv_transfer_ms"] <= s["ttft_ms"]
-    for path in ("ucx", "tcp"):
-        assert f"target one-page kv_transfer_ms p50 <= 1 ms ({path}, {path})" in done.stdout
+    for path, transport in transports.items():
+        assert f"target one-page kv_transfer_ms p50 <= 1 ms ({path}, {transport})" in done.stdout
     assert _leftovers() == ""
 
 

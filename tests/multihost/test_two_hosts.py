@@ -3,7 +3,8 @@
 Host A runs the router, a prefill worker and its kvtransfer agent; host B runs a decode worker
 and its agent. All gRPC (router, workers, the agents' control calls) uses the control link;
 the agents advertise their data path on a second link that carries nothing else. The KV
-handoff must cross that data link (UCX over TCP, or the TCP transport): the bytes received on
+handoff must cross that data link (UCX over TCP, or the TCP transport, which the prefill
+worker's own lane sends onto itself, as its metrics show): the bytes received on
 host B's data interface grow by at least the handoffs' size and by little more, the control
 link carries far less than the KV, and the output still equals transformers token for token.
 Only addresses inside the namespaces made here are used.
@@ -20,6 +21,7 @@ import pytest
 
 from tests.conftest import MAX_TOKENS, PROMPTS
 from tests.multihost.conftest import in_ns, logs_of, rx_bytes, two_host_stack
+from tests.support import samples
 
 pytestmark = pytest.mark.multihost
 
@@ -48,6 +50,10 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(" \
+         "f'http://{sys.argv[1]}/metrics', timeout=30).read().decode())"
+
+
 @pytest.mark.parametrize("transport", ["ucx", "tcp"])
 def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, reference, tiny_model_dir):
     ns_a, _, ip_a, _, _ = hosts["A"]
@@ -62,25 +68,37 @@ def test_kv_handoff_crosses_the_link_between_two_hosts(hosts, transport, referen
         assert done.returncode == 0, done.stderr + logs
         data_rx = rx_bytes(ns_b, data_b) - before[0]
         control_rx = rx_bytes(ns_b, ctl_b) - before[1]
-        tok, refs = reference
-        lines = done.stdout.splitlines()
-        long_timing = next(m["timing"] for m in json.loads(lines[-1]) if "timing" in m)
-        assert long_timing["kv_transport"] == transport
-        kv_bytes = int(long_timing["kv_bytes"])
-        assert kv_bytes >= len(LONG_PROMPT) * KV_BYTES_PER_TOKEN
-        for prompt, line in zip(prompts, lines):
-            msgs = json.loads(line)
-            ids = [int(t) for m in msgs if "delta" in m for t in m["delta"].get("token_ids", [])]
-            timing = next(m["timing"] for m in msgs if "timing" in m)
-            assert ids == refs[prompt][1], prompt
-            assert timing["kv_transport"] == transport
-            assert timing["decode_worker"].startswith(f"decode@{ip_b}")
-            kv_bytes += int(timing["kv_bytes"])
-        # Only the agents use the data link: it carried the KV (plus TCP/IP and per-handoff
-        # header overhead), and the control link carried a small fraction of that.
-        assert data_rx >= kv_bytes, f"only {data_rx} of {kv_bytes} KV bytes crossed the data link"
-        assert data_rx <= 1.25 * kv_bytes + 256 * 1024, f"{data_rx} bytes for {kv_bytes} of KV"
-        assert control_rx < kv_bytes / 2, f"{control_rx} control bytes for {kv_bytes} of KV"
+        metrics = subprocess.run(in_ns(ns_a, sys.executable, "-c", SCRAPE, f"{ip_a}:9061"),
+                                 capture_output=True, text=True, timeout=60)
+        assert metrics.returncode == 0, metrics.stderr
+    # Over tcp the prefill worker sent the handoffs onto host B's data port itself (its own
+    # lane; the first one to a new agent goes through its agent); UCX only through the agent.
+    lane = samples(metrics.stdout).get(("pdserve_kv_lane_handoffs_total",
+                                        frozenset({("transport", "tcp")})), 0)
+    if transport == "tcp":
+        assert lane >= len(PROMPTS[:4]), metrics.stdout[-2000:]
+    else:
+        assert lane == 0, metrics.stdout[-2000:]
+    tok, refs = reference
+    lines = done.stdout.splitlines()
+    long_timing = next(m["timing"] for m in json.loads(lines[-1]) if "timing" in m)
+    assert long_timing["kv_transport"] == transport
+    kv_bytes = int(long_timing["kv_bytes"])
+    assert kv_bytes >= len(LONG_PROMPT) * KV_BYTES_PER_TOKEN
+    for prompt, line in zip(prompts, lines):
+        msgs = json.loads(line)
+        ids = [int(t) for m in msgs if "delta" in m for t in m["delta"].get("token_ids", [])]
+        timing = next(m["timing"] for m in msgs if "timing" in m)
+        assert ids == refs[prompt][1], prompt
+        assert timing["kv_transport"] == transport
+        assert timing["decode_worker"].startswith(f"decode@{ip_b}")
+        kv_bytes += int(timing["kv_bytes"])
+    # Only the KV uses the data link (the agents, and over tcp the prefill worker's lane): it
+    # carried the KV (plus TCP/IP and per-handoff header overhead), and the control link
+    # carried a small fraction of that.
+    assert data_rx >= kv_bytes, f"only {data_rx} of {kv_bytes} KV bytes crossed the data link"
+    assert data_rx <= 1.25 * kv_bytes + 256 * 1024, f"{data_rx} bytes for {kv_bytes} of KV"
+    assert control_rx < kv_bytes / 2, f"{control_rx} control bytes for {kv_bytes} of KV"
 
 
 @pytest.mark.parametrize("transport,prefill_tp,decode_tp", [("tcp", 2, 1), ("ucx", 1, 2)])

@@ -1,8 +1,9 @@
 """Real kvtransfer agents on loopback: handoffs land byte-exact, refusals write nothing, over
 each data path: `shm` (two agents of one host: the receiver copies out of the sender's pool),
 `lane` (the same, asked for by the prefill worker's own same-host lane instead of the sending
-agent: pdserve.worker.samehost, run here in the test process as a worker runs it) and `ucx` /
-`tcp` (the same agents with the same-host copy turned off).
+agent: pdserve.worker.samehost, run here in the test process as a worker runs it), `ucx` /
+`tcp` (the same agents with the same-host copy turned off) and `tcp-lane` (tcp, sent by the
+worker's own lane onto the receiver's TCP connection: pdserve.worker.netlane).
 
 Pools are nameless segments created here and filled with known bytes; they are handed to the
 agents as descriptors over their local sockets, exactly as a worker hands over its pool.
@@ -34,7 +35,7 @@ from pdserve.common.wire import (
 )
 from pdserve.v1 import common_pb2, kvtransfer_pb2, kvtransfer_pb2_grpc
 from pdserve.worker.agent_client import AgentClient
-from pdserve.worker.samehost import SameHostLane
+from pdserve.worker.samehost import LaneOptions, SameHostLane
 
 from tests.support import ServiceProcess, free_port, running, wait_for
 
@@ -89,15 +90,17 @@ class Pool:
     def snapshot(self) -> np.ndarray:
         return self.data.copy()
 
-    def lane(self, sender: Agent) -> SameHostLane:
-        """This pool's worker's same-host lane, by way of `sender` (its host's agent)."""
+    def lane(self, sender: Agent, network: bool = False) -> SameHostLane:
+        """This pool's worker's own lane, by way of `sender` (its host's agent): the same-host
+        copy, and with `network` TCP to the receiver where the agent offers it."""
         client = AgentClient(sender.address)
         client.wait_ready(10)
         client.pool_id = self.pool_id
         fingerprint = fingerprint_from_pb(self.fingerprint)
         assert fingerprint is not None
         lane = SameHostLane(client, self.segment.fd, self.data.size // PAGE_BYTES, PAGE_BYTES,
-                            fingerprint, f"worker-{self.pool_id}")
+                            fingerprint, f"worker-{self.pool_id}",
+                            options=LaneOptions(network=network))
         self._lanes.append((client, lane))
         return lane
 
@@ -137,7 +140,7 @@ class Pair:
     receiver: Agent
     src: Pool
     dst: Pool
-    lane: bool = False  # sent by the source pool's worker's same-host lane, not by SendPages
+    lane: bool = False  # sent by the source pool's worker's own lane, not by SendPages
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,9 +150,13 @@ def no_segments_left_behind() -> Iterator[None]:
     assert leftover_segments(os.getpid()) == []
 
 
-@pytest.fixture(scope="module", params=["shm", "lane", "ucx", "tcp"])
+PATHS = ["shm", "lane", "ucx", "tcp", "tcp-lane"]
+LANES = {"lane": ("shm", True), "tcp-lane": ("tcp", True)}  # path -> (transport, lane)
+
+
+@pytest.fixture(scope="module", params=PATHS)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    transport, lane = ("shm", True) if request.param == "lane" else (request.param, False)
+    transport, lane = LANES.get(request.param, (request.param, False))
     # The TCP agents take their transport (and the same-host copy, off) from environment twins,
     # with 4 KiB writes (a page run crosses many) and fixed 1 MiB socket buffers.
     extra, env = {
@@ -196,7 +203,8 @@ def send(p: Pair, ticket: common_pb2.Ticket, src_pages: list[int], dst_pages: li
         destination.fingerprint.CopyFrom(fingerprint)
     if p.lane:
         src = src or p.src
-        lane = src.lane(p.sender) if not src._lanes else src._lanes[0][1]
+        lane = (src.lane(p.sender, network=p.transport == "tcp") if not src._lanes
+                else src._lanes[0][1])
         handoff = lane.send(ticket_from_pb(ticket), src.pool_id, src_pages,
                             destination_from_pb(destination), timeout_ms / 1e3)
         try:
@@ -433,10 +441,35 @@ def test_same_agent_copies_locally(pair: Pair) -> None:
         local.close()
 
 
-@pytest.mark.parametrize("path", ["shm", "lane", "ucx", "tcp"])
+def test_a_worker_lane_asks_its_agent_where_and_whether_a_destination_lives() -> None:
+    """The local socket's `peer` and `alive`, as a prefill worker's TCP lane asks them: the
+    route is the receiver's data port with the agent's TCP settings, offered only to a lane
+    that asks for the network; `alive` says live, restarted (stale) or gone."""
+    flags = ("--transport", "tcp", "--no-same-host-copy", "--tcp-write-kb", "64")
+    with agent(free_port(), *flags) as a, agent(free_port(), *flags) as b:
+        client = AgentClient(a.address)
+        client.wait_ready(10)
+        try:
+            info = b.stub.GetAgentInfo(kvtransfer_pb2.GetAgentInfoRequest(), timeout=10)
+            ask = {"op": "peer", "address": b.address, "epoch": info.epoch}
+            assert client.call(ask, "peer") == {"usable": False}
+            route = client.call({**ask, "network": True}, "peer")
+            assert route["usable"] and route["tcp_address"] == info.tcp_address
+            assert route["agent_id"] == info.agent_id and route["write_bytes"] == 64 << 10
+            alive = {"op": "alive", "address": b.address, "epoch": info.epoch}
+            assert client.call(alive, "alive") == {"alive": True, "stale": False, "message": ""}
+            stale = client.call({**alive, "epoch": info.epoch + 1}, "alive")
+            assert stale["stale"] and not stale["alive"] and "restarted" in stale["message"]
+            gone = client.call({**alive, "address": f"127.0.0.1:{free_port()}"}, "alive", 15)
+            assert not gone["alive"] and not gone["stale"] and gone["message"]
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_restarted_receiver_refuses_old_tickets_and_sender_rehandshakes(path: str) -> None:
     port = free_port()
-    transport, lane = ("shm", True) if path == "lane" else (path, False)
+    transport, lane = LANES.get(path, (path, False))
     flags = ("--transport", "tcp") if transport == "shm" else (
         "--transport", transport, "--no-same-host-copy")
     with agent(free_port(), *flags) as sender:

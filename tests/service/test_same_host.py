@@ -85,6 +85,30 @@ def test_a_socket_the_sender_cannot_use_falls_back_to_the_network(socket_dir: Pa
                 pair.dst.close()
 
 
+def test_a_lane_that_cannot_reach_the_receivers_socket_sends_over_tcp_itself(socket_dir: Path
+                                                                              ) -> None:
+    """A worker's lane with the network on: the receiver's socket is unreachable from this
+    host, so the first handoff goes through the agent and the lane asks its agent again, which
+    now knows the receiver is remote and offers its TCP data port; later handoffs the lane
+    sends over TCP itself, byte-exact."""
+    sockets = {name: socket_dir / f"{name}.sock" for name in "ab"}
+    with agent(free_port(), "--transport", "tcp", "--local-socket", str(sockets["a"])) as a, \
+            agent(free_port(), "--transport", "tcp", "--local-socket", str(sockets["b"])) as b:
+        pair = replace(_pair(a, b), lane=True)
+        try:
+            sockets["b"].unlink()
+            lane = pair.src.lane(a, network=True)
+            assert _handoff(pair, [1], [2]) == "tcp" and lane.copied == 0  # through the agent
+            assert _handoff(pair, [3, 4, 5], [6, 7, 8]) == "tcp" and lane.copied == 1
+            assert _handoff(pair, [9], [10]) == "tcp" and lane.copied == 2
+            log = a.proc.output()
+            assert log.count("not reachable on this host") == 1, log[-2000:]
+            assert "a worker here cannot reach its local socket" in log
+        finally:
+            pair.src.close()
+            pair.dst.close()
+
+
 @pytest.mark.parametrize("lane", [False, True], ids=["agent", "lane"])
 def test_a_receiver_unmaps_a_senders_pool_once_its_worker_is_gone(lane: bool) -> None:
     with agent(free_port(), "--transport", "tcp") as a, \

@@ -121,8 +121,9 @@ def pair(tiny_model_dir):
                                  chunk_size=32)
         loop = EngineLoop(engine).start()
         loops.append(loop)
-        # (the prefill worker's same-host lane speaks to real agents: off with the fakes)
-        kwargs = {"agent_address": "fake"} if role == "decode" else {"same_host_lane": False}
+        # (the prefill worker's own lanes speak to real agents: off with the fakes)
+        kwargs = ({"agent_address": "fake"} if role == "decode"
+                  else {"same_host_lane": False, "network_lane": False})
         worker = make(loop, agents, worker_id=role, **kwargs)
         agents.tensors[role] = engine.pool.tensor
         worker.register()

@@ -20,20 +20,25 @@ from pdserve.bench.loadgen.procs import stop_group
 from pdserve.bench.netns import Link, in_ns
 from pdserve.common.health import wait_serving
 
-TRANSPORTS = ("ucx", "tcp")  # the paths that cross hosts: the same-host ones do not apply
+# The paths that cross hosts (the same-host ones do not apply) -> the agents' transport and the
+# prefill worker's flags: "tcp-agent" is tcp with the worker sending through its own agent.
+NETNS_PATHS = {"ucx": ("ucx", ()), "tcp": ("tcp", ()),
+               "tcp-agent": ("tcp", ("--no-network-lane",))}
+TRANSPORTS = tuple(NETNS_PATHS)
 BASE_PORT = 50100  # the namespaces are new: nothing else listens in them
 
 
 @contextmanager
 def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str,
                 link: Link) -> Iterator[str]:
-    """The two-host stack for transport `path`; yields the router's address (in namespace a,
+    """The two-host stack for `path` (NETNS_PATHS); yields the router's address (in namespace a,
     where this process runs). Every process is stopped on exit, whatever happened."""
     from pdserve.common.models import resolve_model_name
     from pdserve.engine.setup import model_dir
 
     base = BASE_PORT + 100 * index
     agent_port, prefill_port, decode_port, router_port = base, base + 10, base + 20, base + 30
+    transport, prefill_flags = NETNS_PATHS[path]
     py = [sys.executable, "-m"]
     common = ["--model", model, "--metrics-port", "-1"]
     env = {**os.environ, "PDSERVE_PREFILL_CHUNK_SIZE": str(chunk_size), "UCX_TLS": "tcp"}
@@ -41,11 +46,12 @@ def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str
     procs: list[tuple[str, list[str], str]] = []
     for host, (ip, _) in side.items():
         procs.append((host, [*py, "pdserve.kvtransfer.main", "--port", str(agent_port),
-                             "--metrics-port", "-1", "--transport", path,
+                             "--metrics-port", "-1", "--transport", transport,
                              "--no-same-host-copy", "--advertise-host", ip,
                              "--agent-id", f"host-{host}"], f"kvtransfer-{host}"))
     procs.append(("a", [*py, "pdserve.prefill.main", "--port", str(prefill_port), "--kv-agent",
-                        f"{link.ip_a}:{agent_port}", "--advertise-host", link.ip_a, *common],
+                        f"{link.ip_a}:{agent_port}", "--advertise-host", link.ip_a, *common,
+                        *prefill_flags],
                   "prefill"))
     procs.append(("b", [*py, "pdserve.decode.main", "--port", str(decode_port), "--kv-agent",
                         f"{link.ip_b}:{agent_port}", "--advertise-host", link.ip_b, *common],
