@@ -12,8 +12,10 @@ transport's 512 KiB writes beat every other variant across a veth: 3.5-4.7 again
 GB/s), 256 KiB) and destination (anonymous memory, or a shared
 segment as the receiving pool is; without the latter the TCP transport's fastest 24 MiB
 handoff once beat the bound's fastest, 4.27 vs 3.88 GB/s on a 2-vCPU VM) runs each
-repetition; the bound is the best variant's median. `--netns` runs the receiver inside
-another network namespace (see netns.py).
+repetition, and six more whose reader is woken per 512 or 256 KiB instead of per segment
+(SO_RCVLOWAT, as the TCP transport's receiver; added when the transport beat every other
+variant with it across a veth, 96 MiB at 1.10-1.23x); the bound is the best variant's
+median. `--netns` runs the receiver inside another network namespace (see netns.py).
 
 Memory copy: the same bytes into a destination touched beforehand (no page faults in the
 measurement), on one thread, as one handoff's copy runs: numpy's copy in one call, in the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import select
 import socket
 import statistics
 import subprocess
@@ -49,14 +52,21 @@ class Variant:
     fixed_buffers: bool  # large SO_SNDBUF/SO_RCVBUF instead of kernel autotuning
     write_bytes: int  # 0: the whole handoff in one sendall
     shared_dst: bool  # into a shared segment, as a pool is (else anonymous memory)
+    rcvlowat: int = 0  # the reader woken per this many bytes, not per segment (SO_RCVLOWAT)
 
 
+LOWATS = {b"L": 512 << 10, b"l": 256 << 10}  # setup byte -> mark (the transport's: 512 KiB)
 VARIANTS = tuple(Variant(f"{'fixed' if fixed else 'auto'}/{_size_name}/"
                          f"{'shm' if shared else 'anon'}", fixed, size, shared)
                  for fixed in (False, True)
                  for _size_name, size in (("all", 0), ("4M", 4 * MIB), ("1M", MIB),
                                           ("512K", 512 << 10), ("256K", 256 << 10))
-                 for shared in (False, True))
+                 for shared in (False, True)) + tuple(
+    Variant(f"auto/{_size_name}/{'shm' if shared else 'anon'}/lowat{lowat >> 10}K", False, size,
+            shared, lowat)
+    for _size_name, size, lowat in (("1M", MIB, 512 << 10), ("512K", 512 << 10, 512 << 10),
+                                    ("512K", 512 << 10, 256 << 10))
+    for shared in (False, True))
 
 
 def _set_buffers(sock: socket.socket, nbytes: int) -> None:
@@ -88,16 +98,20 @@ def receiver_main(port_q: mp.Queue[int] | None, host: str, nbytes: int) -> None:
 
     def serve(conn: socket.socket) -> None:
         with conn:
-            setup = conn.recv(2, socket.MSG_WAITALL)  # buffers (F/A), destination (S/N)
+            # buffers (F/A), destination (S/N), woken per a LOWATS mark (L, l) or per segment (-)
+            setup = conn.recv(3, socket.MSG_WAITALL)
             if setup[:1] == b"F":
                 _set_buffers(conn, BIG_BUFFER)
-            view = views[b"S" if setup[1:] == b"S" else b"N"]
+            view = views[b"S" if setup[1:2] == b"S" else b"N"]
+            lowat = LOWATS.get(setup[2:], 0)
             conn.sendall(b"k")
             while True:
                 head = conn.recv(8, socket.MSG_WAITALL)
                 if len(head) < 8:
                     return
                 size, got = int.from_bytes(head, "little"), 0
+                if lowat:
+                    got = _recv_lowat(conn, view[:size], lowat)
                 while got < size:
                     n = conn.recv_into(view[got:size], size - got, socket.MSG_WAITALL)
                     if n == 0:
@@ -115,6 +129,25 @@ def receiver_main(port_q: mp.Queue[int] | None, host: str, nbytes: int) -> None:
             server.accept()  # blocks until the parent closes its end (it never connects again)
         except OSError:
             pass
+
+
+def _recv_lowat(conn: socket.socket, view: memoryview, lowat: int) -> int:
+    """Read into `view` woken per `lowat` bytes, as the TCP transport's receiver does (poll
+    with SO_RCVLOWAT, then take what is queued); returns the bytes read (short: closed)."""
+    got, poller = 0, select.poll()
+    poller.register(conn, select.POLLIN)
+    while got < len(view):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(lowat, len(view) - got))
+        poller.poll()
+        try:
+            n = conn.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
+        if n == 0:
+            break
+        got += n
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # the next read is a header
+    return got
 
 
 class RawTcp:
@@ -138,7 +171,8 @@ class RawTcp:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if v.fixed_buffers:
                 _set_buffers(conn, BIG_BUFFER)
-            conn.sendall((b"F" if v.fixed_buffers else b"A") + (b"S" if v.shared_dst else b"N"))
+            conn.sendall((b"F" if v.fixed_buffers else b"A") + (b"S" if v.shared_dst else b"N")
+                         + next((k for k, m in LOWATS.items() if m == v.rcvlowat), b"-"))
             if conn.recv(1, socket.MSG_WAITALL) != b"k":
                 raise RuntimeError("raw TCP receiver did not answer")
             self.conns[v.name] = conn

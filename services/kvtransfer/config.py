@@ -24,6 +24,9 @@ class AgentConfig(ServerConfig):
     tcp_write_kb: int = option(512, "--transport tcp: bytes of one socket write (KiB); a whole "
                                     "run in one write leaves ACKs waiting and the link half "
                                     "used")
+    tcp_rcvlowat_kb: int = option(512, "--transport tcp: a receiver reading a handoff is woken "
+                                       "once this much has arrived, not at every segment "
+                                       "(KiB; 0: at every segment)")
     tcp_buffer_mb: float = option(0.0, "--transport tcp: send and receive buffers of each data "
                                        "connection (MiB; 0: the kernel's autotuning)")
     agent_id: str = option("", "this agent's name in logs and errors (default: the host name)")
@@ -49,6 +52,8 @@ class AgentConfig(ServerConfig):
         require(0 <= self.data_port <= 65535, "data_port", self.data_port, "0..65535")
         require(4 <= self.tcp_write_kb <= 1 << 20, "tcp_write_kb", self.tcp_write_kb,
                 "4..1048576")
+        require(0 <= self.tcp_rcvlowat_kb <= 1 << 20, "tcp_rcvlowat_kb", self.tcp_rcvlowat_kb,
+                "0..1048576")
         require(0 <= self.tcp_buffer_mb <= 1024, "tcp_buffer_mb", self.tcp_buffer_mb,
                 "0..1024 (0: autotuned)")
         require(bool(self.advertise_host) and self.advertise_host not in ("0.0.0.0", "::"),

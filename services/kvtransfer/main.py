@@ -38,7 +38,8 @@ def make_transport(cfg: AgentConfig) -> Transport:
                             client_tls=security.ssl_client_context() if security else None,
                             tls_server_name=cfg.tls_server_name,
                             buffer_bytes=int(cfg.tcp_buffer_mb * (1 << 20)),
-                            write_bytes=cfg.tcp_write_kb << 10)
+                            write_bytes=cfg.tcp_write_kb << 10,
+                            rcvlowat_bytes=cfg.tcp_rcvlowat_kb << 10)
     from pdserve.kvtransfer.ucx import UcxTransport
     return UcxTransport(error_handling=cfg.ucx_error_handling)
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 from pdserve.common.kv.errors import KvTransferError, PeerUnavailable, TransferTimeout
 from pdserve.common.kv.tcpwire import (
+    DEFAULT_RCVLOWAT,
     DEFAULT_WRITE_BYTES,
     EAGER_BYTES,
     HANDSHAKE_TIMEOUT_S,
@@ -59,7 +60,11 @@ class TcpTransport(Transport):
     def __init__(self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1",
                  max_idle_per_peer: int = 4, server_tls: ssl.SSLContext | None = None,
                  client_tls: ssl.SSLContext | None = None, tls_server_name: str = "",
-                 buffer_bytes: int = 0, write_bytes: int = DEFAULT_WRITE_BYTES):
+                 buffer_bytes: int = 0, write_bytes: int = DEFAULT_WRITE_BYTES,
+                 rcvlowat_bytes: int = DEFAULT_RCVLOWAT):
+        if rcvlowat_bytes < 0:
+            raise ValueError(f"rcvlowat_bytes {rcvlowat_bytes} must be >= 0")
+        self._rcvlowat = rcvlowat_bytes
         self.sender = TcpSender(max_idle_per_peer, client_tls, tls_server_name, buffer_bytes,
                                 write_bytes)  # checks the sizes
         self._bind = (host, port)
@@ -167,7 +172,7 @@ class TcpTransport(Transport):
         try:
             for view in write.dst_views:
                 dst = view.data.cast("B")
-                recv_into(conn, dst, deadline, write.abort)
+                recv_into(conn, dst, deadline, write.abort, lowat=self._rcvlowat)
                 received += len(dst)
             ok = in_step = True
         except Stopped as exc:
