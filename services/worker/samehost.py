@@ -18,6 +18,10 @@ connection that breaks: the agent retries, or names what is wrong. A refusal by 
 destination (stale epoch, cancelled ticket, bad pages) is the handoff's error, with the status
 the agent would give it. The agent still counts what this worker sent (`sent`, a note with no
 reply), and this worker's kv.send span stands in for the agent's.
+
+The same lane also takes handoffs to other hosts' agents over plain TCP where this host's agent
+offers that route (`LaneOptions.network`; the sending itself is pdserve.worker.netlane's): a
+destination whose local socket proves unreachable from here is asked for again as remote.
 """
 
 from __future__ import annotations
@@ -155,7 +159,7 @@ class SameHostLane:
             reply = self._agent.call({"op": "peer", "address": dest.agent_address,
                                       "epoch": dest.agent_epoch, "remote": remote,
                                       "same_host": self._options.same_host,
-                                      "network": self._tcp is not None}, "same-host route")
+                                      "network": self._tcp is not None}, "the lane's route")
         except ServiceError as exc:  # not remembered: the agent path names what is wrong
             log.debug("no route of its own to %s: %s", dest.agent_address, exc)
             return None
