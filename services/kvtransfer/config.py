@@ -24,7 +24,7 @@ class AgentConfig(ServerConfig):
     tcp_write_kb: int = option(512, "--transport tcp: bytes of one socket write (KiB); a whole "
                                     "run in one write leaves ACKs waiting and the link half "
                                     "used")
-    tcp_rcvlowat_kb: int = option(512, "--transport tcp: a receiver reading a handoff is woken "
+    tcp_rcvlowat_kb: int = option(256, "--transport tcp: a receiver reading a handoff is woken "
                                        "once this much has arrived, not at every segment "
                                        "(KiB; 0: at every segment)")
     tcp_buffer_mb: float = option(0.0, "--transport tcp: send and receive buffers of each data "

@@ -43,11 +43,11 @@ DEFAULT_WRITE_BYTES = 512 << 10  # one send() of a run (see the module docstring
 EAGER_BYTES = 512 << 10
 HANDSHAKE_TIMEOUT_S = 10.0
 # A receiver reading a run asks to be woken once this much has arrived (SO_RCVLOWAT), not at
-# every segment: on a veth each wake-up is an interrupt to the other vCPU. Across a veth on a
-# 2-vCPU VM (`pdserve bench kv --netns --transports tcp`, two runs each): 24 MiB 0.85-1.05x raw
-# TCP against 0.70-0.74x without, 96 MiB 1.10-1.23x against 0.69-0.82x; 1 MiB: 0.65-0.71 /
-# 0.95x, 2 MiB: 0.67-0.87 / 0.59-0.65x (docs/kv-transfer.md).
-DEFAULT_RCVLOWAT = 512 << 10
+# every segment: on a veth each wake-up is an interrupt to the other vCPU. Back to back across a
+# veth on a 2-vCPU VM (24 / 96 MiB handoffs): 128 KiB 3.56-3.65 / 3.86-4.35 GB/s, 256 KiB
+# 4.39-4.62 / 4.58-4.92, 512 KiB 4.05-4.27 / 3.53-3.66; 1-2 MiB were slower still in
+# `pdserve bench kv --netns`; waking per segment 2.79 / 2.65 (docs/kv-transfer.md).
+DEFAULT_RCVLOWAT = 256 << 10
 _SCRATCH_BYTES = 1 << 20
 
 
