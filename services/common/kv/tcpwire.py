@@ -244,62 +244,57 @@ def recv_into(conn: socket.socket, view: memoryview, deadline: float | None,
               liveness: Liveness | None = None, lowat: int = 0) -> None:
     """Fill `view`. `lowat` (plain connections): wake this reader once that many bytes (or
     what is left) have arrived, not at every segment (see DEFAULT_RCVLOWAT)."""
-    if lowat and not isinstance(conn, ssl.SSLSocket):
-        _recv_lowat(conn, view, deadline, abort, lowat)
-        return
+    plain = not isinstance(conn, ssl.SSLSocket)
+    woken = _Woken(conn, lowat) if lowat and plain else None
+    flags = socket.MSG_WAITALL if plain else 0  # TLS: no flags
     got, next_check = 0, time.monotonic() + LIVENESS_INTERVAL_S
-    flags = 0 if isinstance(conn, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS: no flags
-    while got < len(view):
-        if abort is not None and abort.is_set():
-            raise Stopped(got)
-        try:
-            n = conn.recv_into(view[got:], 0, flags)
-        except _SLICE_ENDED:
-            if stopping is not None and stopping.is_set():
-                raise Closed("shutting down") from None
-            if deadline is not None:
-                next_check = _tick(deadline, next_check, liveness, "waiting for the peer")
-            continue
-        if n == 0:
-            raise Closed("connection closed by the peer")
-        got += n
-
-
-def _recv_lowat(conn: socket.socket, view: memoryview, deadline: float | None,
-                abort: threading.Event | None, lowat: int) -> None:
-    """`recv_into` woken per `lowat` bytes: poll until SO_RCVLOWAT bytes are queued, then
-    take everything queued without waiting. Never a blocking read: within one blocking call
-    the kernel would wait for SO_RCVLOWAT more bytes even where fewer are still to come (the
-    tail of a handoff), and sleep until the slice's timeout. The low-water mark is set back
-    to 1 before returning (the next read is a header)."""
-    got, mark, next_check = 0, 0, time.monotonic() + LIVENESS_INTERVAL_S
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
     try:
         while got < len(view):
             if abort is not None and abort.is_set():
                 raise Stopped(got)
-            want = min(lowat, len(view) - got)
-            if want != mark:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                mark = want
-            n = -1
-            if poller.poll(SLICE_S * 1e3):
-                try:
-                    n = conn.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    pass
-            if n < 0:  # the slice ended with less than `want` queued
+            try:
+                n = (woken.recv(view[got:]) if woken is not None
+                     else conn.recv_into(view[got:], 0, flags))
+            except _SLICE_ENDED:
+                if stopping is not None and stopping.is_set():
+                    raise Closed("shutting down") from None
                 if deadline is not None:
-                    next_check = _tick(deadline, next_check, None, "waiting for the peer")
+                    next_check = _tick(deadline, next_check, liveness, "waiting for the peer")
                 continue
             if n == 0:
                 raise Closed("connection closed by the peer")
             got += n
     finally:
-        if mark > 1:
+        if woken is not None:
+            woken.reset()
+
+
+class _Woken:
+    """Reads woken per `lowat` bytes: poll until SO_RCVLOWAT bytes are queued, then take
+    everything queued without waiting. Never a blocking read: within one blocking call the
+    kernel would wait for SO_RCVLOWAT more bytes even where fewer are still to come (the tail
+    of a handoff), and sleep until the slice's timeout."""
+
+    def __init__(self, conn: socket.socket, lowat: int):
+        self._conn, self._lowat, self._mark = conn, lowat, 1
+        self._poller = select.poll()
+        self._poller.register(conn, select.POLLIN)
+
+    def recv(self, view: memoryview) -> int:
+        """Bytes read into `view`; BlockingIOError when a slice ended with less queued."""
+        want = min(self._lowat, len(view))
+        if want != self._mark:
+            self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self._mark = want
+        if not self._poller.poll(SLICE_S * 1e3):
+            raise BlockingIOError("less than the mark arrived within the slice")
+        return self._conn.recv_into(view, 0, socket.MSG_DONTWAIT)
+
+    def reset(self) -> None:
+        """The mark back at 1: the next read on the connection is a header."""
+        if self._mark != 1:
             try:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                self._conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass  # the connection is gone
 
