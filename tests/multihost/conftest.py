@@ -146,12 +146,14 @@ ROUTER_METRICS, AGENT_METRICS = 9051, 9081
 @contextlib.contextmanager
 def pool_stack(network: Network, transport: str, model_dir: Path, *, router: str,
                prefill: Sequence[str], decode: Sequence[str],
-               worker_flags: Sequence[str] = ()) -> Iterator[PoolStack]:
+               worker_flags: Sequence[str] = (),
+               worker_env: dict[str, dict[str, str]] | None = None) -> Iterator[PoolStack]:
     """On each prefill and decode host a kvtransfer agent (`--agent-id kv-HOST`, advertising
     the host's address) and a worker that reaches it at 127.0.0.1 (as a pod's sidecar) and
     advertises the host's address; on `router` a router given `dns:///prefill-pool:50061` and
-    `dns:///decode-pool:50071`, whose records list the worker hosts. Every process is stopped
-    (and its log removed) on exit."""
+    `dns:///decode-pool:50071`, whose records list the worker hosts. `worker_env`: more
+    environment for the worker of a host, by host name. Every process is stopped (and its log
+    removed) on exit."""
     py = [sys.executable, "-m"]
     stack = PoolStack(network, network[router], [network[h] for h in prefill],
                       [network[h] for h in decode], transport)
@@ -168,7 +170,7 @@ def pool_stack(network: Network, transport: str, model_dir: Path, *, router: str
             argv[f"{role}@{host.name}"] = (host.argv(
                 *py, f"pdserve.{role}.main", "--kv-agent", f"127.0.0.1:{AGENT_PORT}",
                 "--advertise-host", host.ip, "--kv-cache-mb", "16", "--threads", "1",
-                *worker_flags), {})
+                *worker_flags), dict((worker_env or {}).get(host.name, {})))
     argv[f"router@{router}"] = (stack.router.argv(
         *py, "pdserve.router.main", "--model", str(model_dir),
         "--prefill", f"dns:///prefill-pool:{PREFILL_PORT}",

@@ -6,7 +6,8 @@
 - `generate`: greedy requests, a few at a time; per request its token ids and Timing.
 - `probe`: what peers are told: a decode worker's reservation destination, agents' info.
 - `kill_under_load`: client threads keep requests flowing; once `before` have finished and
-  the victim prefill worker is computing a prompt, every pid in `pids` is SIGKILLed; after
+  the victim prefill worker holds a prompt (computing it, or its pages not yet handed off: a
+  tiny prompt computes in a few ms), every pid in `pids` is SIGKILLed; after
   `after` more requests, the clients stop. Per request: its tokens, status and attempts.
 """
 
@@ -129,9 +130,10 @@ def kill_under_load(args: dict[str, Any]) -> dict[str, Any]:
         out["warm"] = wait_for(lambda: len(results) >= args["before"], 120)
         victim = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(args["victim"]))
 
-        def computing() -> bool:  # the victim has a prompt it has not finished
-            s = victim.Stats(common_pb2.StatsRequest(), timeout=5)
-            return s.queued_prompt_tokens > 0 or s.running_sequences > 0
+        def computing() -> bool:  # the victim holds a prompt it has not finished handing off
+            s = victim.Stats(common_pb2.StatsRequest(), timeout=5)  # (free_pages counts the
+            return (s.queued_prompt_tokens > 0 or s.running_sequences > 0  # unheld cache)
+                    or s.free_pages < s.num_pages)
         out["victim_busy"] = wait_for(computing, 60, 0.005)
         with lock:
             for record in in_flight:

@@ -75,7 +75,12 @@ def test_pools_discovered_by_dns_hand_off_across_hosts_and_survive_a_host_loss(
         namespaces = [h.ns for h in net.hosts.values()]
         with pool_stack(net, transport, tiny_model_dir, router="router",
                         prefill=["prefill-1", "prefill-2"], decode=["decode"],
-                        worker_flags=("--chunk-size", "8")) as stack:
+                        worker_flags=("--chunk-size", "8"),
+                        # prefill-1 holds each computed prompt 100 ms before shipping it, so
+                        # the kill below lands while one is in flight there (a tiny prompt
+                        # computes and ships in a few ms)
+                        worker_env={"prefill-1": {"PDSERVE_FAILPOINTS":
+                                                  "prefill.handoff=sleep:100"}}) as stack:
             pids = [p.proc.pid for p in stack.processes.values()]
             run_checks(stack, transport, refs)
     # Nothing left behind: namespaces (with the bridge and links), hosts files, processes.
