@@ -28,7 +28,7 @@ from pdserve.common.kv.errors import (
     cause,
 )
 from pdserve.common.kv.runs import PageRun, check_spans, coalesce
-from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
+from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, counted_liveness, expect_same
 from pdserve.common.logs import outcome
 from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer.owner import SendingAgent
@@ -37,7 +37,6 @@ from pdserve.kvtransfer.pool import Pool
 from pdserve.kvtransfer.receive import AgentSink, check_pages
 
 log = logging.getLogger("pdserve.kvtransfer")
-LIVENESS_FAILURES = 3  # consecutive unanswered GetAgentInfo calls before a sender gives up
 
 
 class Sender:
@@ -174,15 +173,4 @@ class Sender:
     def _check_alive(self, address: str, epoch: int) -> Callable[[], None]:
         """Raise StaleEpoch at once if the destination restarted, PeerUnavailable once its
         agent missed LIVENESS_FAILURES checks in a row."""
-        failures = 0
-
-        def check() -> None:
-            nonlocal failures
-            try:
-                self._agent.peers.check(address, epoch)
-                failures = 0
-            except PeerUnavailable:
-                failures += 1
-                if failures >= LIVENESS_FAILURES:
-                    raise
-        return check
+        return counted_liveness(lambda: self._agent.peers.check(address, epoch))

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from pdserve.common.kv.wire import WriteHeader
+from pdserve.common.kv.wire import Liveness, WriteHeader
 
-Liveness = Callable[[], None]
+__all__ = ["IncomingWrite", "Liveness", "PeerContact", "Transport", "WriteSink",
+           "receive_deadline_s"]
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,8 @@ from pdserve.common.errors import ServiceError
 from pdserve.common.kv.errors import PeerUnavailable, StaleEpoch
 from pdserve.common.kv.runs import PageRun
 from pdserve.common.kv.tcpwire import TcpSender
-from pdserve.common.kv.wire import WriteHeader
+from pdserve.common.kv.wire import Liveness, WriteHeader, counted_liveness
 from pdserve.worker.agent_client import AgentClient
-
-LIVENESS_FAILURES = 3  # unanswered checks in a row before the lane gives up (the agent's too)
 
 
 class TcpLane:
@@ -60,26 +58,19 @@ class TcpLane:
         sender.send(address, header, self.views(runs), timeout_s,
                     self._liveness(agent_address, header.dst_agent_epoch), attach)
 
-    def _liveness(self, address: str, epoch: int) -> Callable[[], None]:
-        failures = 0
-
-        def check() -> None:
-            nonlocal failures
+    def _liveness(self, address: str, epoch: int) -> Liveness:
+        def ask() -> None:
             try:
                 reply = self._agent.call({"op": "alive", "address": address, "epoch": epoch},
                                          "the destination agent's liveness", 5.0)
             except ServiceError as exc:  # this host's agent is gone: count it as unanswered
-                reply = {"alive": False, "stale": False, "message": str(exc)}
+                raise PeerUnavailable(f"agent {address}: {exc}") from None
             if reply.get("stale"):
                 raise StaleEpoch(str(reply.get("message")))
-            if reply.get("alive"):
-                failures = 0
-                return
-            failures += 1
-            if failures >= LIVENESS_FAILURES:
+            if not reply.get("alive"):
                 raise PeerUnavailable(f"agent {address} stopped answering: "
                                       f"{reply.get('message')}")
-        return check
+        return counted_liveness(ask)
 
     def close(self) -> None:
         for sender in list(self._senders.values()):

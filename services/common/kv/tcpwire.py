@@ -31,9 +31,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from pdserve.common.kv.errors import PeerUnavailable, TransferTimeout
-from pdserve.common.kv.wire import LIVENESS_INTERVAL_S, Reply, WriteHeader
-
-Liveness = Callable[[], None]  # raises when the receiver is known gone
+from pdserve.common.kv.wire import LIVENESS_INTERVAL_S, Liveness, Reply, WriteHeader
 
 SLICE_S = 0.05  # socket timeout between checks of deadlines, aborts and shutdown
 LENGTH = struct.Struct("<I")

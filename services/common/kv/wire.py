@@ -24,10 +24,16 @@ import dataclasses
 import functools
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.common.kv.errors import BadRequest, KvTransferError, LayoutMismatch, from_wire
+from pdserve.common.kv.errors import (
+    BadRequest,
+    KvTransferError,
+    LayoutMismatch,
+    PeerUnavailable,
+    from_wire,
+)
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 
@@ -43,6 +49,26 @@ MAX_RUNS = 1 << 17
 MAX_BODY_BYTES = 1 << 16
 MAX_HEADER_BYTES = PREFIX_BYTES + MAX_BODY_BYTES + 8 * MAX_RUNS  # about 1.1 MiB
 LIVENESS_INTERVAL_S = 1.0  # how often a sender waiting on a receiver checks that it still lives
+LIVENESS_FAILURES = 3  # unanswered checks in a row before a sender gives up on its receiver
+Liveness = Callable[[], None]  # raises when the receiver is known gone
+
+
+def counted_liveness(ask: Callable[[], None]) -> Liveness:
+    """A sender's liveness check from `ask` (which raises StaleEpoch when the receiver's agent
+    restarted, PeerUnavailable when it did not answer): a restart ends the wait at once, an
+    unanswered ask only the LIVENESS_FAILURES-th in a row."""
+    failures = 0
+
+    def check() -> None:
+        nonlocal failures
+        try:
+            ask()
+            failures = 0
+        except PeerUnavailable:
+            failures += 1
+            if failures >= LIVENESS_FAILURES:
+                raise
+    return check
 
 
 def expect_same(mine: LayoutFingerprint, theirs: LayoutFingerprint, mine_name: str,
