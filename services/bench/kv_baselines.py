@@ -15,7 +15,11 @@ handoff once beat the bound's fastest, 4.27 vs 3.88 GB/s on a 2-vCPU VM) runs ea
 repetition, and six more whose reader is woken per 512 or 256 KiB instead of per segment
 (SO_RCVLOWAT, as the TCP transport's receiver; added when the transport beat every other
 variant with it across a veth, 96 MiB at 1.10-1.23x); the bound is the best variant's
-median. `--netns` runs the receiver inside another network namespace (see netns.py).
+median. The variants run back to back, so the bound is a warm connection's figure; a
+transport is held to it with its own handoffs back to back. The first handoff on a connection
+idle since the previous round is also measured (`first_ms`, with the transport's own settings):
+on a VM every part of it is slower (idle vCPUs halted, caches cold), for raw TCP as for a
+transport. `--netns` runs the receiver inside another network namespace (see netns.py).
 
 Memory copy: the same bytes into a destination touched beforehand (no page faults in the
 measurement), on one thread, as one handoff's copy runs: numpy's copy in one call, in the
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from pdserve.common import fastcopy
@@ -67,6 +71,10 @@ VARIANTS = tuple(Variant(f"{'fixed' if fixed else 'auto'}/{_size_name}/"
     for _size_name, size, lowat in (("1M", MIB, 512 << 10), ("512K", 512 << 10, 512 << 10),
                                     ("512K", 512 << 10, 256 << 10))
     for shared in (False, True))
+_BY_NAME = {v.name: v for v in VARIANTS}
+
+
+FIRST = "auto/512K/shm/lowat256K"  # the TCP transport's settings, for `BoundSamples.first_ms`
 
 
 def _set_buffers(sock: socket.socket, nbytes: int) -> None:
@@ -230,13 +238,19 @@ class BoundSamples:
     raw_ms: dict[str, list[float]]
     memcpy_ms: dict[str, list[float]]
     warmup: int = 1  # samples per variant dropped as warm-up
+    first_ms: list[float] = field(default_factory=list)  # raw TCP, first of a round (FIRST)
 
     @classmethod
     def empty(cls, warmup: int = 1) -> BoundSamples:
         return cls({v.name: [] for v in VARIANTS}, {name: [] for name in COPIES}, warmup)
 
-    def measure(self, raw: RawTcp | None, src: np.ndarray, dst: np.ndarray) -> None:
-        """One repetition of every bound on `src` (copied into `dst` for the memory copy)."""
+    def measure(self, raw: RawTcp | None, src: np.ndarray, dst: np.ndarray,
+                first: bool = False) -> None:
+        """One repetition of every bound on `src` (copied into `dst` for the memory copy);
+        `first`: the raw connections sat idle since the last round (the transports ran), so
+        the FIRST variant's handoff goes to `first_ms` before that."""
+        if raw is not None and first:
+            self.first_ms.append(raw.copy_ms(_BY_NAME[FIRST], src))
         if raw is not None:
             for v in VARIANTS:
                 self.raw_ms[v.name].append(raw.copy_ms(v, src))
@@ -249,6 +263,11 @@ class BoundSamples:
         """(GB/s of the best variant's median, its name, GB/s of the fastest repetition of
         any variant); zeros when not measured."""
         return _best(self.raw_ms, nbytes, self.warmup)
+
+    def raw_first_ms(self) -> float:
+        """Median time of raw TCP's first handoff of a round (0 when not measured)."""
+        kept = self.first_ms[1:]  # the first round warms up
+        return statistics.median(kept) if kept else 0.0
 
     def memcpy(self, nbytes: int) -> tuple[float, float]:
         """(GB/s of the best variant's median, GB/s of the fastest repetition of any)."""

@@ -37,13 +37,16 @@ class Row:
     best_gb_s: float = 0.0  # the fastest repetition (the bound checks compare fastest runs)
     raw_tcp_best_gb_s: float = 0.0
     memcpy_best_gb_s: float = 0.0
+    first_ms: float = 0.0  # median of the first handoff of a round (after the bounds ran)
+    raw_first_ms: float = 0.0  # raw TCP's first of a round, the transport's settings
 
 
 def rows(tokens: int, num_pages: int, nbytes: int,
          samples: dict[str, list[tuple[float, float, int]]], bounds: BoundSamples,
-         cross_host: bool = False) -> list[Row]:
-    """One row per transport from its samples (the first, a warm-up, dropped). Between two
-    hosts every transport is held to raw TCP on the link."""
+         firsts: dict[str, list[float]] | None = None, cross_host: bool = False) -> list[Row]:
+    """One row per transport from its samples, back to back, and its first handoffs of a
+    round (the first of each, a warm-up, dropped). Between two hosts every transport is held
+    to raw TCP on the link."""
     raw_gb_s, variant, raw_best = bounds.raw_tcp(nbytes)
     memcpy_gb_s, memcpy_best = bounds.memcpy(nbytes)
     out = []
@@ -59,28 +62,48 @@ def rows(tokens: int, num_pages: int, nbytes: int,
                        round(vs_memcpy, 3), bound,
                        round(vs_memcpy if bound == "memcpy" else vs_raw, 3),
                        round(gb_s(nbytes, min(r[0] for r in got[1:])), 3), round(raw_best, 3),
-                       round(memcpy_best, 3)))
+                       round(memcpy_best, 3),
+                       round(statistics.median((firsts or {}).get(transport, [0.0, 0.0])[1:]
+                                               or [0.0]), 3),
+                       round(bounds.raw_first_ms(), 3)))
     return out
 
 
 def report(results: list[Row], cross_host: bool = False) -> str:
     """The results as a fixed-width table, then the bound checks and the targets."""
-    head = (f"{'transport':>9} {'tokens':>6} {'MiB':>8} {'runs':>4} {'handoff ms':>10} "
-            f"{'rpc ms':>8} {'GB/s':>6} {'raw TCP':>7} {'memcpy':>7} {'vs TCP':>6} "
-            f"{'vs memcpy':>9}")
+    head = (f"{'transport':>9} {'tokens':>6} {'MiB':>8} {'runs':>4} {'first ms':>8} "
+            f"{'handoff ms':>10} {'rpc ms':>8} {'GB/s':>6} {'raw TCP':>7} {'memcpy':>7} "
+            f"{'vs TCP':>6} {'vs memcpy':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(f"{r.transport:>9} {r.prompt_tokens:>6} {r.kv_bytes / MIB:>8.2f} "
-                     f"{r.num_runs:>4} {r.handoff_ms:>10.3f} {r.rpc_ms:>8.3f} {r.gb_s:>6.2f} "
+                     f"{r.num_runs:>4} {r.first_ms:>8.3f} {r.handoff_ms:>10.3f} {r.rpc_ms:>8.3f} "
+                     f"{r.gb_s:>6.2f} "
                      f"{r.raw_tcp_gb_s:>7.2f} {r.memcpy_gb_s:>7.2f} {r.vs_raw_tcp:>6.2f} "
                      f"{r.vs_memcpy:>9.2f}")
-    lines.append("GB/s and ratios from medians; raw TCP: the best of its variants (socket "
-                 "buffers x write size x destination memory); memcpy: the best of numpy "
-                 "whole, numpy in 8 MiB slices, libc memcpy and streaming stores "
-                 f"({fastcopy.isa()}), one thread, pre-faulted destination")
+    lines.append("GB/s and ratios from medians of handoffs back to back (handoff ms), as the "
+                 "bounds run; first ms: the first handoff since the pair's last round; raw "
+                 "TCP: the best of its variants (socket buffers x write size x destination "
+                 "memory); memcpy: the best of numpy whole, numpy in 8 MiB slices, libc memcpy "
+                 f"and streaming stores ({fastcopy.isa()}), one thread, pre-faulted destination")
+    lines += first_handoffs(results)
     lines += bound_checks(results)
     lines += cross_host_targets(results) if cross_host else targets(results)
     return "\n".join(lines)
+
+
+def first_handoffs(results: list[Row]) -> list[str]:
+    """Raw TCP's first handoff of a round next to each size's transports' first ones: the
+    price of a connection gone quiet, paid by raw TCP as by a transport."""
+    lines, seen = [], set()
+    for r in results:
+        if r.raw_first_ms and r.prompt_tokens not in seen:
+            seen.add(r.prompt_tokens)
+            firsts = ", ".join(f"{x.transport} {x.first_ms:.3f}" for x in results
+                               if x.prompt_tokens == r.prompt_tokens)
+            lines.append(f"first handoff of a round at {r.prompt_tokens} tokens (ms): raw TCP "
+                         f"{r.raw_first_ms:.3f}, {firsts}")
+    return lines
 
 
 def bound_checks(results: list[Row]) -> list[str]:

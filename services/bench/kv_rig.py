@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.bench.kv_baselines import RawTcp
 from pdserve.bench.loadgen.procs import free_port
-from pdserve.bench.netns import Link, in_ns
+from pdserve.bench.netns import Link
 from pdserve.common import localsock
 from pdserve.common.handoff import (
     Destination,
@@ -163,7 +163,7 @@ class NetnsPlacement(Placement):
     def __init__(self, link: Link, socket_dir: str):
         self.link = link
         self.note = (f"two network namespaces joined by a veth ({link.ip_a} -> {link.ip_b}), "
-                     "the same-host copy off, raw TCP over the same link")
+                     f"{link.cpus_note()}, the same-host copy off, raw TCP over the same link")
         self.hosts = (link.ip_a, link.ip_b)
         self._dir = socket_dir
         self._count = 0
@@ -180,14 +180,14 @@ class NetnsPlacement(Placement):
 
     def receiver(self, flags: Sequence[str]) -> AbstractContextManager[AgentProc]:
         link = self.link
-        return agent([*flags, "--advertise-host", link.ip_b], prefix=in_ns(link.ns_b),
+        return agent([*flags, "--advertise-host", link.ip_b], prefix=link.on_b(),
                      host=link.ip_b, local_socket=self._socket(),
                      env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": link.dev_b})
 
     def raw_tcp(self, nbytes: int) -> RawTcp:
         link = self.link
-        proc = subprocess.Popen(in_ns(link.ns_b, sys.executable, "-m",
-                                      "pdserve.bench.kv_baselines", link.ip_b, str(nbytes)),
+        proc = subprocess.Popen(link.on_b(sys.executable, "-m", "pdserve.bench.kv_baselines",
+                                          link.ip_b, str(nbytes)),
                                 stdout=subprocess.PIPE)
         assert proc.stdout is not None
         port = int(proc.stdout.readline() or 0)

@@ -1,6 +1,13 @@
 """Two hosts on one machine for `pdserve bench kv --netns`: network namespaces joined by a veth
 link (root and iproute2's `ip`). Each run's namespaces carry its pid in their names; they are
 removed when the run ends, and a later run removes those of a run that was killed.
+
+Each host also gets its own half of the machine's CPUs (`taskset`), as two hosts have their
+own cores. Sharing them misplaces the two ends of a transfer: across a veth the sender's CPU
+also does the receiving TCP work, and the scheduler wakes the reader where its waker runs, so
+after the two sides sat idle for a few tens of milliseconds both ends of the next transfer ran
+on one vCPU (24 MiB of raw TCP after a 50 ms pause: 11.4 ms shared, 7.1 ms pinned, on a
+2-vCPU guest; 5.8-6.2 ms back to back either way).
 """
 
 from __future__ import annotations
@@ -32,13 +39,40 @@ class Link:
     dev_b: str
     ip_a: str
     ip_b: str
+    cpus_a: str = ""  # each host's CPUs, as `taskset -c` takes them but joined by "+"
+    cpus_b: str = ""  # ("": not pinned)
 
     def spec(self) -> str:
-        return ",".join([self.ns_a, self.ns_b, self.dev_a, self.dev_b, self.ip_a, self.ip_b])
+        return ",".join([self.ns_a, self.ns_b, self.dev_a, self.dev_b, self.ip_a, self.ip_b,
+                         self.cpus_a, self.cpus_b])
+
+    def on_a(self, *argv: str) -> list[str]:
+        """`argv` as a process of host a: in its namespace, on its CPUs."""
+        return in_ns(self.ns_a, *argv, cpus=self.cpus_a)
+
+    def on_b(self, *argv: str) -> list[str]:
+        return in_ns(self.ns_b, *argv, cpus=self.cpus_b)
+
+    def cpus_note(self) -> str:
+        if not self.cpus_a:
+            return "both hosts on all CPUs"
+        a, b = (cpus.replace("+", ",") for cpus in (self.cpus_a, self.cpus_b))
+        return f"host a on CPU {a}, b on CPU {b}"
 
 
-def in_ns(ns: str, *argv: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, *argv]
+def in_ns(ns: str, *argv: str, cpus: str = "") -> list[str]:
+    pin = ["taskset", "-c", cpus.replace("+", ",")] if cpus else []
+    return ["ip", "netns", "exec", ns, *pin, *argv]
+
+
+def split_cpus() -> tuple[str, str]:
+    """This process's CPUs in two halves, one per host ("" for both when there is one CPU or
+    no `taskset`)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or not shutil.which("taskset"):
+        return "", ""
+    half = len(cpus) // 2
+    return "+".join(map(str, cpus[:half])), "+".join(map(str, cpus[half:]))
 
 
 def _ip(*args: str) -> None:
@@ -74,12 +108,13 @@ def sweep_stale() -> list[str]:
 @contextlib.contextmanager
 def two_hosts() -> Iterator[Link]:
     """Namespaces a and b joined by a veth (IPv6 off on it, so only the benchmark's traffic
-    moves over it); removed on exit, whatever happened."""
+    moves over it), each with its half of the CPUs (`Link.on_a`, `Link.on_b`); removed on
+    exit, whatever happened."""
     sweep_stale()
     pid = os.getpid()
     net = pid % 250 + 1
     link = Link(f"{PREFIX}a{pid}", f"{PREFIX}b{pid}", f"kva{pid % 100000}", f"kvb{pid % 100000}",
-                SUBNET.format(net, 1), SUBNET.format(net, 2))
+                SUBNET.format(net, 1), SUBNET.format(net, 2), *split_cpus())
     made: list[str] = []
     try:
         for ns in (link.ns_a, link.ns_b):
@@ -115,8 +150,8 @@ def rerun_inside(prog: str, module: str, argv: list[str]) -> int:
         return 2
     stop_on_sigterm()
     with two_hosts() as link, tempfile.TemporaryDirectory(prefix=f"{PREFIX}-") as scratch:
-        inner = subprocess.Popen(in_ns(link.ns_a, sys.executable, "-m", module, *argv,
-                                       "--in-netns", f"{link.spec()},{scratch}"))
+        inner = subprocess.Popen(link.on_a(sys.executable, "-m", module, *argv,
+                                           "--in-netns", f"{link.spec()},{scratch}"))
         try:
             return inner.wait()
         except KeyboardInterrupt:

@@ -31,7 +31,7 @@ def test_bench_handoff_across_two_hosts_measures_each_transport_and_cleans_up(tm
         "--long-tokens", "64", "--long-reps", "1", "--chunk-size", "32", "--warmup", "1",
         "--json", str(out)), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "two hosts (network namespaces joined by a veth)" in done.stdout
+    assert "two hosts (network namespaces joined by a veth; " in done.stdout
     rows = {(r["path"], r["prompt_tokens"]): r for r in json.loads(out.read_text())}
     # tcp: the prefill worker's own lane; tcp-agent: through its agent (--no-network-lane)
     transports = {"ucx": "ucx", "tcp": "tcp", "tcp-agent": "tcp"}

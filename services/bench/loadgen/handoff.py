@@ -243,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         results = run(args)
     except KeyboardInterrupt:  # what it started was stopped on the way out
         return 130
-    where = "two hosts (network namespaces joined by a veth)" if args.in_netns else "one host"
+    where = "one host"
+    if args.in_netns:
+        where = ("two hosts (network namespaces joined by a veth; "
+                 f"{netns.from_spec(args.in_netns)[0].cpus_note()})")
     print(f"host: {os.cpu_count()} CPUs; {where}; model {args.model}; chunk {args.chunk_size}; "
           f"interleaved, one request at a time; medians of {args.short_reps} (short) and "
           f"{args.long_reps} (long) requests")

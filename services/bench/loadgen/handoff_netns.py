@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from pdserve.bench.loadgen.procs import stop_group
-from pdserve.bench.netns import Link, in_ns
+from pdserve.bench.netns import Link
 from pdserve.common.health import wait_serving
 
 # The paths that cross hosts (the same-host ones do not apply) -> the agents' transport and the
@@ -69,7 +69,7 @@ def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str
         for host, argv, name in procs:
             dev = side[host][1]
             out = stack.enter_context(open(os.path.join(log_dir, f"{path}-{name}.out"), "wb"))
-            proc = subprocess.Popen(argv if host == "a" else in_ns(link.ns_b, *argv),
+            proc = subprocess.Popen(argv if host == "a" else link.on_b(*argv),
                                     stdout=out, stderr=subprocess.STDOUT,
                                     env={**env, "UCX_NET_DEVICES": dev}, start_new_session=True)
             stack.callback(stop_group, proc)
