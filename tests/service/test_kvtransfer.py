@@ -396,13 +396,14 @@ def test_cancel_returns_only_when_nothing_writes_any_more(pair: Pair) -> None:
 
 
 def test_refused_eager_handoff_lands_nothing_and_the_next_one_lands(pair: Pair) -> None:
-    """A short handoff goes right behind its header (<= 512 KiB over tcp, <= 1 MiB over ucx):
+    """A short handoff goes right behind its header (<= 1 MiB over tcp and over ucx):
     a refused one's bytes are read away (tcp) or swallowed by receives posted for them (ucx),
     never land, and leave the connection in step for the next handoff."""
     src = Pool(pair.sender.stub, "prefill-eager", seed=8, num_pages=BIG_PAGES)
     dst = Pool(pair.receiver.stub, "decode-eager", seed=9, num_pages=BIG_PAGES)
     try:
-        pages = list(range(256))  # 512 KiB: eager on both, above UCX's rendezvous threshold
+        pages = list(range(512))  # 1 MiB: the largest eager handoff on both, above UCX's
+        # rendezvous threshold
         before = dst.snapshot()
         err = rpc_error(send, pair, new_ticket(), pages, pages, src=src, dst=dst)
         assert err.code() == Code.NOT_FOUND and "unknown ticket" in err.details()

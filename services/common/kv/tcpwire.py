@@ -37,8 +37,10 @@ SLICE_S = 0.05  # socket timeout between checks of deadlines, aborts and shutdow
 LENGTH = struct.Struct("<I")
 DEFAULT_WRITE_BYTES = 512 << 10  # one send() of a run (see the module docstring)
 # Handoffs up to this size do not wait for "ready" (a refusal wastes the bytes): across a veth a
-# 0.38 MiB page 0.32-0.35 ms against 0.46-0.57; no gain at 0.75 MiB (docs/kv-transfer.md).
-EAGER_BYTES = 512 << 10
+# 0.38 MiB page 0.32-0.35 ms against 0.46-0.57 in the agents; SmolLM2's 0.70 MiB page through
+# the request path 1.36 / 1.36 ms against 1.58 / 1.59 at 512 KiB (alternating runs, each host on
+# its own vCPU; docs/kv-transfer.md).
+EAGER_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 # A receiver reading a run asks to be woken once this much has arrived (SO_RCVLOWAT), not at
 # every segment: on a veth each wake-up is an interrupt to the other vCPU. Back to back across a
