@@ -121,8 +121,10 @@ class Agent:
     def start(self) -> None:
         """Start the transport's receiving side and the lease sweeper."""
         self.shm_sink = self._guarded(AgentSink(self, "shm"), "shm")
-        contact = self.transport.start(self._guarded(AgentSink(self, self.transport.name),
-                                                     self.transport.name))
+        name = self.transport.name
+        self.transport.receive_natively(
+            self.native, lambda header, error: self.native_write_landed(header, error, name))
+        contact = self.transport.start(self._guarded(AgentSink(self, name), name))
         self.contact = replace(contact, agent_id=self.agent_id)
         self._janitor.start()
         log.info("agent %s up: epoch %d, transport %s, local socket %s, same-host copy %s",
@@ -224,16 +226,17 @@ class Agent:
                             arm=lambda exp: self._arm(exp, pool))
         return self.epoch
 
-    def native_write_landed(self, header: WriteHeader, error: KvTransferError | None) -> None:
-        """Count a write the native path served (its pages landed, or a cancel stopped it)."""
+    def native_write_landed(self, header: WriteHeader, error: KvTransferError | None,
+                            transport: str = "shm") -> None:
+        """Count a write the native path served (its pages landed, or why not)."""
         if error is None:
-            count_received(self, "shm", header)
+            count_received(self, transport, header)
         else:
             self.metrics.failed(cause(error), "receive")
 
     def _arm(self, exp: Expectation, pool: Pool) -> bool:
-        """Arm the ticket for the native same-host write, unless something must see each
-        write: a kv.receive span (tracing) or a failpoint."""
+        """Arm the ticket for the native write (same-host, or plain TCP), unless something
+        must see each write: a kv.receive span (tracing) or a failpoint."""
         if self.native is None or tracing.enabled() or failpoints.active():
             return False
         return self.native.arm(exp.key, pool.native_handle, pool.pool_id, self.epoch,

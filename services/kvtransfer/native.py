@@ -10,6 +10,8 @@ common case runs in C without the interpreter:
     shm_write arrives       ->  `write`: the header must match an armed ticket exactly; then
                                 the copy (stopping at a cancel), the ticket marked done, and
                                 the reply on the socket, all in one call without the GIL
+    a TCP header arrives    ->  `recv`: the same checks, then "ready" (unless eager), the
+                                runs read from the socket into the pages, "done" (tcp.py)
     anything else           ->  declined: the Python path serves it and refuses with the reason
 
 The TicketBook stays the authority. Before it decides anything about an armed ticket it takes
@@ -33,7 +35,7 @@ from pdserve.common.kv.wire import pack_runs
 from pdserve.common.tickets import TicketKey
 
 ABSENT, ARMED, WRITING, DONE, ABORTED = range(5)  # a ticket's state here (kvcopy.c)
-DECLINED, REPLIED, STOPPED, SEND_FAILED = range(4)  # what `write` did
+DECLINED, REPLIED, STOPPED, SEND_FAILED, BROKEN, TIMED_OUT = range(6)  # what a write did
 MAX_SPANS = 16  # more spans than this are served by the Python path
 ENV_OFF = "PDSERVE_NO_NATIVE_RECEIVE"
 
@@ -53,6 +55,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pdserve_kv_write.argtypes = [_ptr, ctypes.c_char_p, _u64, ctypes.c_size_t, _u64,
                                      ctypes.c_char_p, _u32, ctypes.c_int, _u64, _u64,
                                      ctypes.POINTER(_i64)]
+    lib.pdserve_kv_recv.argtypes = [_ptr, ctypes.c_char_p, _u64, ctypes.c_int, _u64,
+                                    ctypes.c_char_p, _u32, ctypes.c_char_p, _u32, _u64,
+                                    ctypes.c_int, ctypes.POINTER(_i64)]
 
 
 class NativeReceiver:
@@ -134,6 +139,19 @@ class NativeReceiver:
         return int(self._lib.pdserve_kv_write(
             self._table, header, len(header), src_address, src_size, runs, n, fd, slice_bytes,
             fastcopy.STREAM_MIN_BYTES, out))
+
+
+    def recv(self, header: bytes, fd: int, eager_bytes: int, ready: bytes, done: bytes,
+             lowat: int, slice_ms: int, out: Any) -> int:
+        """Serve one TCP handoff natively, its header just read from the data connection `fd`
+        (plain): "ready" unless it is at most `eager_bytes`, the runs read into the reserved
+        pages (woken per `lowat` bytes, checks every `slice_ms`), `done` sent; `ready` and
+        `done` are the wire's encoded replies; `out[0]` gets the bytes read. DECLINED (nothing
+        read) when it cannot; STOPPED (a cancel), BROKEN, TIMED_OUT, SEND_FAILED: see
+        kvcopy.c's pdserve_kv_recv."""
+        return int(self._lib.pdserve_kv_recv(
+            self._table, header, len(header), fd, eager_bytes, ready, len(ready), done,
+            len(done), lowat, slice_ms, out))
 
 
 def out_buffer() -> Any:

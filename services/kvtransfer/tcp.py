@@ -24,12 +24,18 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from pdserve.common.kv.errors import KvTransferError, PeerUnavailable, TransferTimeout
+from pdserve.common.kv.errors import (
+    KvTransferError,
+    PeerUnavailable,
+    TicketCancelled,
+    TransferTimeout,
+)
 from pdserve.common.kv.tcpwire import (
     DEFAULT_RCVLOWAT,
     DEFAULT_WRITE_BYTES,
     EAGER_BYTES,
     HANDSHAKE_TIMEOUT_S,
+    LENGTH,
     SLICE_S,
     Closed,
     Stopped,
@@ -41,7 +47,10 @@ from pdserve.common.kv.tcpwire import (
     send_reply,
 )
 from pdserve.common.kv.wire import PREFIX_BYTES, Reply, WriteHeader
+from pdserve.kvtransfer import native
+from pdserve.kvtransfer.native import NativeReceiver
 from pdserve.kvtransfer.transport import (
+    Landed,
     Liveness,
     PeerContact,
     Transport,
@@ -50,6 +59,14 @@ from pdserve.kvtransfer.transport import (
 )
 
 log = logging.getLogger("pdserve.kvtransfer.tcp")
+
+
+def _frame(reply: Reply) -> bytes:
+    data = reply.encode()
+    return LENGTH.pack(len(data)) + data
+
+
+_READY, _DONE = _frame(Reply("ready")), _frame(Reply("done"))
 
 
 class TcpTransport(Transport):
@@ -75,6 +92,13 @@ class TcpTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
         self._sink: WriteSink | None = None
+        self._native: NativeReceiver | None = None
+        self._landed: Landed | None = None
+
+    def receive_natively(self, receiver: NativeReceiver | None, landed: Landed) -> None:
+        """Serve handoffs of armed tickets on plain connections in C (native.py); `landed`
+        counts each one it served."""
+        self._native, self._landed = receiver, landed
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self, sink: WriteSink) -> PeerContact:
@@ -141,18 +165,50 @@ class TcpTransport(Transport):
                             peer, exc)
                 conn.close()
                 return
+        served = self._native if self._server_tls is None else None
+        out = native.out_buffer()
         with conn:
             try:
                 while True:
                     prefix = recv_bytes(conn, PREFIX_BYTES, None, self._stopping)
-                    rest = recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
-                                       time.monotonic() + 10.0, self._stopping)
-                    if not self._serve_write(conn, WriteHeader.decode(prefix + rest)):
+                    raw = prefix + recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
+                                              time.monotonic() + 10.0, self._stopping)
+                    if served is not None:
+                        done = served.recv(raw, conn.fileno(), EAGER_BYTES, _READY, _DONE,
+                                           self._rcvlowat, int(SLICE_S * 1e3), out)
+                        if done != native.DECLINED:
+                            if not self._natively_served(conn, raw, done, int(out[0])):
+                                return
+                            continue
+                    if not self._serve_write(conn, WriteHeader.decode(raw)):
                         return
             except (Closed, OSError, Stopped):
                 return
             except KvTransferError as exc:  # a malformed header: say why, then hang up
                 send_reply(conn, Reply.failure("ready", exc))
+
+    def _natively_served(self, conn: socket.socket, raw: bytes, done: int, got: int) -> bool:
+        """Count a handoff the native path served and finish what it left to this side (a
+        cancelled one's remaining bytes read away and its refusal sent); False when the
+        connection must close."""
+        assert self._landed is not None
+        header = WriteHeader.decode(raw)  # it matched an armed ticket: well formed
+        if done in (native.REPLIED, native.SEND_FAILED):
+            self._landed(header, None)
+            return done == native.REPLIED
+        if done == native.STOPPED:
+            exc: KvTransferError = TicketCancelled(f"ticket {header.ticket} was cancelled "
+                                                   "during its write")
+            self._landed(header, exc)
+            deadline = time.monotonic() + receive_deadline_s(header)
+            if not discard(conn, header.kv_bytes - got, deadline):
+                return False
+            send_reply(conn, Reply.failure("done", exc))
+            return True
+        self._landed(header, TransferTimeout("the handoff's bytes did not arrive in time")
+                     if done == native.TIMED_OUT
+                     else PeerUnavailable("sender hung up during the handoff"))
+        return False  # out of step
 
     def _serve_write(self, conn: socket.socket, header: WriteHeader) -> bool:
         """Run one handoff; False when the connection must close (out of step)."""

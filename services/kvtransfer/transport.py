@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from pdserve.common.kv.errors import KvTransferError
 from pdserve.common.kv.wire import Liveness, WriteHeader
 
 __all__ = ["IncomingWrite", "Liveness", "PeerContact", "Transport", "WriteSink",
@@ -70,6 +71,10 @@ class WriteSink(Protocol):
         ...
 
 
+# Counts a write a native path served: its header, and None when every byte landed.
+Landed = Callable[[WriteHeader, KvTransferError | None], None]
+
+
 class Transport(ABC):
     """Moves page runs between agents; one instance per agent, used from many threads."""
 
@@ -95,6 +100,11 @@ class Transport(ABC):
 
     def forget(self, peer: PeerContact) -> None:
         """Drop cached connections to `peer` (it restarted or failed). Default: nothing."""
+        return None
+
+    def receive_natively(self, receiver: Any, landed: Landed) -> None:
+        """Let the native path (a `NativeReceiver`) serve armed tickets' writes arriving here,
+        counting each with `landed`. Default: not offered (the sink serves every write)."""
         return None
 
     @abstractmethod

@@ -190,7 +190,8 @@ int pdserve_gather_rows(void *dst, size_t dst_row, size_t rows, int nsrc, const 
 #define KV_FIXED 68    /* xfer_id, ticket epoch, agent epoch, page_bytes, timeout, 7 lengths */
 
 enum { KV_ABSENT = 0, KV_ARMED = 1, KV_WRITING = 2, KV_DONE = 3, KV_ABORTED = 4 };
-enum { KV_DECLINED = 0, KV_REPLIED = 1, KV_STOPPED = 2, KV_SEND_FAILED = 3 };
+enum { KV_DECLINED = 0, KV_REPLIED = 1, KV_STOPPED = 2, KV_SEND_FAILED = 3, KV_BROKEN = 4,
+       KV_TIMED_OUT = 5 };
 
 typedef struct {
     uintptr_t base;
@@ -365,11 +366,10 @@ int pdserve_kv_take(void *table, const char *rid, uint32_t rid_len, uint64_t tic
     return state;
 }
 
-static int kv_reply_done(int fd) {  /* the local socket's frame for {} (localsock.send) */
-    static const char frame[10] = {2, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
+static int kv_send_all(int fd, const char *buf, size_t len) {
     size_t sent = 0;
-    while (sent < sizeof frame) {
-        ssize_t n = send(fd, frame + sent, sizeof frame - sent, MSG_NOSIGNAL);
+    while (sent < len) {
+        ssize_t n = send(fd, buf + sent, len - sent, MSG_NOSIGNAL);
         if (n > 0) {
             sent += (size_t)n;
         } else if (n < 0 && errno == EINTR) {
@@ -384,38 +384,45 @@ static int kv_reply_done(int fd) {  /* the local socket's frame for {} (localsoc
     return 0;
 }
 
+static int kv_reply_done(int fd) {  /* the local socket's frame for {} (localsock.send) */
+    static const char frame[10] = {2, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
+    return kv_send_all(fd, frame, sizeof frame);
+}
+
 static uint32_t kv_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t kv_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* Serve one same-host write: the encoded WriteHeader, the sender's pool as mapped here (its
- * address and size in bytes) and the source runs ((start, n) int32 pairs). KV_DECLINED: nothing was done (not armed, or anything differs:
- * the Python path answers). KV_REPLIED: every byte landed, the ticket is done here, and the
- * reply went on `fd`; out[0] = bytes. KV_STOPPED: a cancel stopped the copy (no reply sent).
- * KV_SEND_FAILED: landed and done, but the reply could not be sent. Little-endian hosts only
- * (the header's byte order); others decline. */
-int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_t src_base,
-                     uint64_t src_size, const int32_t *src_runs, uint32_t nruns, int fd,
-                     uint64_t slice_bytes, uint64_t stream_min, int64_t *out) {
-    kv_table *t = table;
+/* Check an encoded WriteHeader against its armed ticket and claim the slot for the write
+ * (KV_WRITING, the pool's writers counted): the slot, or NULL when anything differs (the Python
+ * path answers). `src_runs` ((start, n) int32 pairs, `nruns` of them, inside `src_size` bytes):
+ * a same-host write's source, checked against the spans; NULL for a write whose bytes arrive
+ * on a socket. `*total`: the write's bytes; `*timeout_s`: the sender's timeout. Little-endian
+ * hosts only (the header's byte order). */
+static kv_slot *kv_claim(kv_table *t, const uint8_t *hdr, uint64_t hdr_len,
+                         const int32_t *src_runs, uint32_t nruns, uint64_t src_size,
+                         kv_pool **pool, uint64_t *total, double *timeout_s) {
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-    return KV_DECLINED;
+    return NULL;
 #endif
     if (hdr_len < KV_PREFIX + KV_FIXED || memcmp(hdr, "PDKV", 4) != 0 || hdr[4] != KV_VERSION)
-        return KV_DECLINED;
+        return NULL;
     uint64_t body_len = kv_u32(hdr + 8), num_runs = kv_u32(hdr + 12);
+    if (src_runs == NULL) nruns = (uint32_t)num_runs;
     if (body_len < KV_FIXED || num_runs != nruns || num_runs == 0 || num_runs > KV_SPANS_MAX ||
-        KV_PREFIX + body_len + 8 * num_runs > hdr_len || slice_bytes == 0)
-        return KV_DECLINED;
+        KV_PREFIX + body_len + 8 * num_runs > hdr_len)
+        return NULL;
     const uint8_t *f = hdr + KV_PREFIX;
     uint64_t ticket_epoch = kv_u64(f + 8), agent_epoch = kv_u64(f + 16);
     int64_t page_bytes = (int64_t)kv_u64(f + 24);
+    double timeout_ms;
+    memcpy(&timeout_ms, f + 32, 8);
     uint64_t len[7], strings = 0;
     for (int i = 0; i < 7; i++) strings += len[i] = kv_u32(f + 40 + 4 * i);
-    if (strings != body_len - KV_FIXED) return KV_DECLINED;
+    if (strings != body_len - KV_FIXED) return NULL;
     const char *rid = (const char *)f + KV_FIXED;
     const char *pool_id = rid + len[0], *fp = pool_id + len[1];
     const uint8_t *runs = hdr + KV_PREFIX + body_len;
-    if (len[0] > KV_RID_MAX) return KV_DECLINED;
+    if (len[0] > KV_RID_MAX) return NULL;
     uint64_t h = kv_hash(rid, (uint32_t)len[0], ticket_epoch);
 
     pthread_mutex_lock(&t->mu);
@@ -427,28 +434,61 @@ int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_
              s->fp_len == len[2] && memcmp(s->fp, fp, len[2]) == 0 &&
              s->nspans == nruns && memcmp(s->spans, runs, 8 * nruns) == 0 &&
              kv_now_ns(CLOCK_MONOTONIC) < s->deadline_ns;
-    uint64_t total = 0;
+    uint64_t bytes = 0;
     for (uint32_t r = 0; ok && r < nruns; r++) {
         int64_t dst = s->spans[2 * r], n = s->spans[2 * r + 1];
-        int64_t src = src_runs[2 * r], m = src_runs[2 * r + 1];
-        ok = n > 0 && m == n && src >= 0 && dst >= 0 &&
-             (uint64_t)(src + n) * (uint64_t)page_bytes <= src_size &&
-             (uint64_t)(dst + n) * (uint64_t)page_bytes <= p->size;
-        total += (uint64_t)n * (uint64_t)page_bytes;
+        ok = n > 0 && dst >= 0 && (uint64_t)(dst + n) * (uint64_t)page_bytes <= p->size;
+        if (ok && src_runs != NULL) {
+            int64_t src = src_runs[2 * r], m = src_runs[2 * r + 1];
+            ok = m == n && src >= 0 && (uint64_t)(src + n) * (uint64_t)page_bytes <= src_size;
+        }
+        bytes += (uint64_t)n * (uint64_t)page_bytes;
     }
     if (ok) {
         s->state = KV_WRITING;
         p->writers++;
     }
     pthread_mutex_unlock(&t->mu);
-    if (!ok) return KV_DECLINED;
+    *pool = p;
+    *total = bytes;
+    *timeout_s = timeout_ms / 1e3;
+    return ok ? s : NULL;
+}
+
+/* End a claimed write: the slot DONE with its bytes, or ABORTED (nothing counts as landed). */
+static void kv_release(kv_table *t, kv_slot *s, kv_pool *p, int landed, uint64_t total) {
+    pthread_mutex_lock(&t->mu);
+    p->writers--;
+    s->state = landed ? KV_DONE : KV_ABORTED;
+    s->kv_bytes = landed ? (int64_t)total : 0;
+    s->done_unix_ms = kv_now_ns(CLOCK_REALTIME) / 1e6;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* Serve one same-host write: the encoded WriteHeader, the sender's pool as mapped here (its
+ * address and size in bytes) and the source runs ((start, n) int32 pairs). KV_DECLINED: nothing was done (not armed, or anything differs:
+ * the Python path answers). KV_REPLIED: every byte landed, the ticket is done here, and the
+ * reply went on `fd`; out[0] = bytes. KV_STOPPED: a cancel stopped the copy (no reply sent).
+ * KV_SEND_FAILED: landed and done, but the reply could not be sent. Little-endian hosts only
+ * (the header's byte order); others decline. */
+int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_t src_base,
+                     uint64_t src_size, const int32_t *src_runs, uint32_t nruns, int fd,
+                     uint64_t slice_bytes, uint64_t stream_min, int64_t *out) {
+    kv_table *t = table;
+    kv_pool *p;
+    uint64_t total;
+    double timeout_s;
+    if (slice_bytes == 0 || src_runs == NULL) return KV_DECLINED;
+    kv_slot *s = kv_claim(t, hdr, hdr_len, src_runs, nruns, src_size, &p, &total, &timeout_s);
+    if (s == NULL) return KV_DECLINED;
 
     int stopped = 0;  /* the slot and the pool stay put while a write is in flight */
     for (uint32_t r = 0; r < nruns && !stopped; r++) {
-        char *d = (char *)(p->base + (uint64_t)s->spans[2 * r] * (uint64_t)page_bytes);
+        char *d = (char *)(p->base + (uint64_t)s->spans[2 * r] * (uint64_t)s->page_bytes);
         const char *from = (const char *)(src_base + (uint64_t)src_runs[2 * r] *
-                                          (uint64_t)page_bytes);
-        uint64_t n = (uint64_t)s->spans[2 * r + 1] * (uint64_t)page_bytes;
+                                          (uint64_t)s->page_bytes);
+        uint64_t n = (uint64_t)s->spans[2 * r + 1] * (uint64_t)s->page_bytes;
         for (uint64_t at = 0; at < n; at += slice_bytes) {
             if (__atomic_load_n(&s->abort, __ATOMIC_RELAXED)) { stopped = 1; break; }
             uint64_t k = n - at < slice_bytes ? n - at : slice_bytes;
@@ -456,14 +496,74 @@ int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_
             else memcpy(d + at, from + at, k);
         }
     }
-    pthread_mutex_lock(&t->mu);
-    p->writers--;
-    s->state = stopped ? KV_ABORTED : KV_DONE;
-    s->kv_bytes = stopped ? 0 : (int64_t)total;
-    s->done_unix_ms = kv_now_ns(CLOCK_REALTIME) / 1e6;
-    pthread_cond_broadcast(&t->cv);
-    pthread_mutex_unlock(&t->mu);
+    kv_release(t, s, p, !stopped, total);
     out[0] = (int64_t)total;
     if (stopped) return KV_STOPPED;
     return kv_reply_done(fd) == 0 ? KV_REPLIED : KV_SEND_FAILED;
+}
+
+/* Serve one TCP handoff whose encoded WriteHeader (`hdr`) was just read from the data
+ * connection `fd`: checked against its armed ticket as a same-host write is; "ready" sent
+ * first unless the write is at most `eager` bytes (they follow the header at once); the runs read straight into the
+ * reserved pages, the reader woken per `lowat` bytes (SO_RCVLOWAT; 0: per segment) and never
+ * blocked longer than `slice_ms` between checks of a cancel, the pool closing and the sender's
+ * timeout; then `done` sent. `ready` and `done` are the wire's encoded replies. out[0] = bytes
+ * read. KV_DECLINED: nothing read (the Python path serves it). KV_REPLIED: every byte landed,
+ * the ticket is done here. KV_STOPPED: a cancel stopped it (the stream is in step once the
+ * rest, total - out[0], is read away); KV_BROKEN: the sender hung up, the socket failed or the
+ * pool closed; KV_TIMED_OUT: the sender's timeout passed (both out of step: close the
+ * connection); KV_SEND_FAILED: landed and done, but "done" could not be sent. On anything but
+ * KV_REPLIED and KV_SEND_FAILED nothing counts as landed (the ticket may be written again). */
+int pdserve_kv_recv(void *table, const uint8_t *hdr, uint64_t hdr_len, int fd, uint64_t eager,
+                    const char *ready, uint32_t ready_len, const char *done, uint32_t done_len,
+                    uint64_t lowat, int slice_ms, int64_t *out) {
+    kv_table *t = table;
+    kv_pool *p;
+    uint64_t total;
+    double timeout_s;
+    out[0] = 0;
+    kv_slot *s = kv_claim(t, hdr, hdr_len, NULL, 0, 0, &p, &total, &timeout_s);
+    if (s == NULL) return KV_DECLINED;
+    timeout_s = timeout_s < 0.001 ? 0.001 : timeout_s > 600.0 ? 600.0 : timeout_s;
+    int64_t deadline = kv_now_ns(CLOCK_MONOTONIC) + (int64_t)(timeout_s * 1e9);
+    int result = KV_REPLIED, mark = 1;
+    uint64_t got = 0;
+    if (total > eager && kv_send_all(fd, ready, ready_len) != 0) result = KV_BROKEN;
+    for (uint32_t r = 0; r < s->nspans && result == KV_REPLIED; r++) {
+        char *d = (char *)(p->base + (uint64_t)s->spans[2 * r] * (uint64_t)s->page_bytes);
+        uint64_t n = (uint64_t)s->spans[2 * r + 1] * (uint64_t)s->page_bytes, at = 0;
+        while (at < n) {
+            if (__atomic_load_n(&s->abort, __ATOMIC_RELAXED)) { result = KV_STOPPED; break; }
+            if (!__atomic_load_n(&p->open, __ATOMIC_RELAXED)) { result = KV_BROKEN; break; }
+            if (kv_now_ns(CLOCK_MONOTONIC) >= deadline) { result = KV_TIMED_OUT; break; }
+            int want = lowat ? (int)(lowat < n - at ? lowat : n - at) : 1;
+            if (want != mark) {
+                if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) != 0) {
+                    result = KV_BROKEN;
+                    break;
+                }
+                mark = want;
+            }
+            struct pollfd pf = {fd, POLLIN, 0};
+            int k = poll(&pf, 1, slice_ms);
+            if (k < 0 && errno != EINTR) { result = KV_BROKEN; break; }
+            if (k <= 0) continue;
+            ssize_t m = recv(fd, d + at, n - at, MSG_DONTWAIT);
+            if (m > 0) {
+                at += (uint64_t)m;
+                got += (uint64_t)m;
+            } else if (m == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+                result = KV_BROKEN;
+                break;
+            }
+        }
+    }
+    if (mark != 1) {  /* the next read on the connection is a header */
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
+    }
+    kv_release(t, s, p, result == KV_REPLIED, total);
+    out[0] = (int64_t)got;
+    if (result != KV_REPLIED) return result;
+    return kv_send_all(fd, done, done_len) == 0 ? KV_REPLIED : KV_SEND_FAILED;
 }

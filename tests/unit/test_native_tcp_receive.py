@@ -1,0 +1,134 @@
+"""The receiving agent's native TCP write (pdserve.kvtransfer.native `recv`, csrc/kvcopy.c's
+pdserve_kv_recv) on a real socket with the ticket book it answers to: an armed handoff's bytes
+land byte-exact straight from the socket, "ready" goes out only above the eager size and "done"
+at the end, and the ticket completes in the book; a header that differs from what was armed is
+declined with nothing read; a cancel stops it with the bytes read so far reported (the stream
+can be put back in step); a sender that hangs up or goes quiet past its timeout ends it with
+nothing counted as landed, and the ticket can be written again."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from pdserve.common.kv.wire import WriteHeader
+from pdserve.common.tickets import TicketKey
+from pdserve.kvtransfer import native
+from tests.unit.test_native_receive import KEY, Rig
+
+pytestmark = pytest.mark.unit
+READY, DONE = b"<ready>", b"<done>"  # what the transport passes: the wire's encoded replies
+LOWAT = 64 << 10
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def _recv(rig: Rig, header: WriteHeader, eager_bytes: int, outcome: list[int]) -> None:
+    outcome.append(rig.native.recv(header.encode(), rig.ours.fileno(), eager_bytes, READY, DONE,
+                                   LOWAT, 20, rig.out))
+
+
+def _read_exactly(rig: Rig, n: int) -> bytes:
+    rig.theirs.settimeout(5)
+    got = b""
+    while len(got) < n:
+        chunk = rig.theirs.recv(n - len(got))
+        assert chunk, "the receiver closed its end"
+        got += chunk
+    return got
+
+
+def _pages(rig: Rig, start: int, n: int) -> bytes:
+    b = rig.fp.page_bytes
+    return rig.src[start * b:(start + n) * b].tobytes()
+
+
+def test_an_eager_handoff_lands_from_the_socket_and_completes_the_ticket(rig: Rig) -> None:
+    rig.expect([3, 4, 5, 9])
+    header = rig.header(((3, 3), (9, 1)))
+    rig.theirs.sendall(_pages(rig, 0, 3) + _pages(rig, 10, 1))  # the bytes behind the header
+    outcome: list[int] = []
+    _recv(rig, header, header.kv_bytes, outcome)  # at most the eager size: no "ready"
+    assert outcome == [native.REPLIED] and int(rig.out[0]) == header.kv_bytes
+    assert _read_exactly(rig, len(DONE)) == DONE
+    assert rig.landed(0, 3, 3) and rig.landed(10, 9, 1)
+    assert not rig.dst[:3 * rig.fp.page_bytes].any()  # nothing outside the runs
+    assert rig.book.status(KEY).complete
+
+
+def test_a_larger_handoff_waits_for_ready_then_lands_across_many_reads(rig: Rig) -> None:
+    pages = list(range(40))
+    rig.expect(pages)
+    header = rig.header(((0, 40),))
+    outcome: list[int] = []
+    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
+    receiver.start()
+    assert _read_exactly(rig, len(READY)) == READY
+    data = _pages(rig, 0, 40)
+    for at in range(0, len(data), 5000):  # in pieces smaller than the wake-up mark
+        rig.theirs.sendall(data[at:at + 5000])
+    receiver.join(10)
+    assert outcome == [native.REPLIED] and _read_exactly(rig, len(DONE)) == DONE
+    assert rig.landed(0, 0, 40) and rig.book.status(KEY).complete
+
+
+def test_a_header_that_differs_from_what_was_armed_is_declined_with_nothing_read(
+        rig: Rig) -> None:
+    rig.expect([0, 1])
+    rig.theirs.sendall(b"payload")
+    outcome: list[int] = []
+    _recv(rig, rig.header(((0, 1),)), 1 << 20, outcome)  # armed for two pages
+    assert outcome == [native.DECLINED] and int(rig.out[0]) == 0
+    rig.ours.settimeout(5)
+    assert rig.ours.recv(7) == b"payload"  # left for the Python path
+    assert not rig.book.status(KEY).complete
+
+
+def test_a_cancel_stops_the_read_and_reports_what_arrived(rig: Rig) -> None:
+    rig.expect(list(range(40)))
+    header = rig.header(((0, 40),))
+    outcome: list[int] = []
+    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
+    receiver.start()
+    assert _read_exactly(rig, len(READY)) == READY
+    half = _pages(rig, 0, 20)
+    rig.theirs.sendall(half)
+    deadline = time.monotonic() + 10
+    while rig.dst[len(half) - 1] != rig.src[len(half) - 1] and time.monotonic() < deadline:
+        time.sleep(0.005)  # bounded: until the receiver has read the first half
+    was_pending, was_complete = rig.book.cancel(KEY, 5.0)
+    receiver.join(10)
+    assert outcome == [native.STOPPED] and int(rig.out[0]) == len(half)
+    assert was_pending and not was_complete
+
+
+@pytest.mark.parametrize("how", ["hang-up", "quiet"])
+def test_a_sender_gone_or_quiet_ends_it_and_the_ticket_can_be_written_again(
+        rig: Rig, how: str) -> None:
+    rig.expect(list(range(8)))
+    header = rig.header(((0, 8),), timeout_ms=300.0)
+    outcome: list[int] = []
+    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
+    started = time.monotonic()
+    receiver.start()
+    assert _read_exactly(rig, len(READY)) == READY
+    rig.theirs.sendall(_pages(rig, 0, 2))
+    if how == "hang-up":
+        rig.theirs.close()
+    receiver.join(10)
+    assert outcome == [native.BROKEN if how == "hang-up" else native.TIMED_OUT]
+    if how == "quiet":
+        assert 0.3 <= time.monotonic() - started < 5.0  # the sender's timeout, not longer
+    assert np.array_equal(rig.dst[:2 * rig.fp.page_bytes], rig.src[:2 * rig.fp.page_bytes])
+    assert not rig.book.status(KEY).complete  # nothing counts as landed
+    again = rig.book.begin_write(KEY, rig.pool.pool_id, list(range(8)))  # a retry may write it
+    rig.book.finish_write(again, True, 8 * rig.fp.page_bytes)
+    assert rig.book.status(KEY).complete
