@@ -8,6 +8,9 @@ no buffer between the socket and either pool.
 A receiver whose ticket is cancelled mid-handoff stops writing at once and reads the rest of
 the bytes into a scratch buffer, so the stream stays in step and the sender learns why; so it
 does with an eager handoff (its bytes right behind the header) that it refuses.
+On plain connections a handoff of a ticket armed for the native path (native.py) is read in
+C once its header is in: the checks, "ready", the runs into the pages and "done" without the
+interpreter; anything it declines is served here.
 
 With TLS (`server_tls` / `client_tls`, from the agent's --tls-* flags) every data connection
 is a TLS connection: the listener requires a client certificate from the CA under mutual TLS,
