@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from pdserve.common.kv.wire import WriteHeader
-from pdserve.common.tickets import TicketKey
 from pdserve.kvtransfer import native
+
 from tests.unit.test_native_receive import KEY, Rig
 
 pytestmark = pytest.mark.unit
