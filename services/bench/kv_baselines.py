@@ -266,8 +266,7 @@ class BoundSamples:
 
     def raw_first_ms(self) -> float:
         """Median time of raw TCP's first handoff of a round (0 when not measured)."""
-        kept = self.first_ms[1:]  # the first round warms up
-        return statistics.median(kept) if kept else 0.0
+        return median_after_warmup(self.first_ms)
 
     def memcpy(self, nbytes: int) -> tuple[float, float]:
         """(GB/s of the best variant's median, GB/s of the fastest repetition of any)."""
@@ -283,6 +282,12 @@ def _best(samples_by_variant: dict[str, list[float]], nbytes: int, skip: int
             best = max(best, (gb_s(nbytes, statistics.median(samples[skip:])), name))
             fastest = max(fastest, gb_s(nbytes, min(samples[skip:])))
     return best[0], best[1], fastest
+
+
+def median_after_warmup(samples: list[float]) -> float:
+    """Median of one-per-round samples without the first round's (a warm-up); 0 when none."""
+    kept = samples[1:]
+    return statistics.median(kept) if kept else 0.0
 
 
 def gb_s(nbytes: int, ms: float) -> float:

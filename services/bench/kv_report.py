@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pdserve.bench.kv_baselines import BoundSamples, gb_s
+from pdserve.bench.kv_baselines import BoundSamples, gb_s, median_after_warmup
 from pdserve.common import fastcopy
 
 MIB = 1 << 20
@@ -63,8 +63,7 @@ def rows(tokens: int, num_pages: int, nbytes: int,
                        round(vs_memcpy if bound == "memcpy" else vs_raw, 3),
                        round(gb_s(nbytes, min(r[0] for r in got[1:])), 3), round(raw_best, 3),
                        round(memcpy_best, 3),
-                       round(statistics.median((firsts or {}).get(transport, [0.0, 0.0])[1:]
-                                               or [0.0]), 3),
+                       round(median_after_warmup((firsts or {}).get(transport, [])), 3),
                        round(bounds.raw_first_ms(), 3)))
     return out
 

@@ -57,7 +57,7 @@ from pdserve.kvtransfer import native
 from pdserve.kvtransfer.native import NativeReceiver
 from pdserve.kvtransfer.peers import PeerDirectory, PeerInfo
 from pdserve.kvtransfer.pool import Pool, map_fd
-from pdserve.kvtransfer.transport import WriteSink
+from pdserve.kvtransfer.transport import Landed, WriteSink
 
 log = logging.getLogger("pdserve.kvtransfer.shm")
 
@@ -183,7 +183,7 @@ class ShmReceiver:
 
     def __init__(self, sink: Callable[[], WriteSink], native_writes: NativeReceiver | None = None,
                  fd: int = -1,
-                 landed: Callable[[WriteHeader, KvTransferError | None], None] | None = None):
+                 landed: Landed | None = None):
         self._sink = sink
         self._maps: dict[str, _Mapped] = {}
         self._native = native_writes if fd >= 0 and landed is not None else None

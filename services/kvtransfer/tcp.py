@@ -38,12 +38,12 @@ from pdserve.common.kv.tcpwire import (
     DEFAULT_WRITE_BYTES,
     EAGER_BYTES,
     HANDSHAKE_TIMEOUT_S,
-    LENGTH,
     SLICE_S,
     Closed,
     Stopped,
     TcpSender,
     discard,
+    frame,
     plain_data_socket,
     recv_bytes,
     recv_into,
@@ -64,12 +64,7 @@ from pdserve.kvtransfer.transport import (
 log = logging.getLogger("pdserve.kvtransfer.tcp")
 
 
-def _frame(reply: Reply) -> bytes:
-    data = reply.encode()
-    return LENGTH.pack(len(data)) + data
-
-
-_READY, _DONE = _frame(Reply("ready")), _frame(Reply("done"))
+_READY, _DONE = frame(Reply("ready")), frame(Reply("done"))  # what the native path sends
 
 
 class TcpTransport(Transport):

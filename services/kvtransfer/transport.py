@@ -25,11 +25,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from pdserve.common.kv.errors import KvTransferError
 from pdserve.common.kv.wire import Liveness, WriteHeader
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.native import NativeReceiver
 
 __all__ = ["IncomingWrite", "Liveness", "PeerContact", "Transport", "WriteSink",
            "receive_deadline_s"]
@@ -102,8 +105,8 @@ class Transport(ABC):
         """Drop cached connections to `peer` (it restarted or failed). Default: nothing."""
         return None
 
-    def receive_natively(self, receiver: Any, landed: Landed) -> None:
-        """Let the native path (a `NativeReceiver`) serve armed tickets' writes arriving here,
+    def receive_natively(self, receiver: NativeReceiver | None, landed: Landed) -> None:
+        """Let the native path serve armed tickets' writes arriving here,
         counting each with `landed`. Default: not offered (the sink serves every write)."""
         return None
 

@@ -36,6 +36,15 @@ def _recv(rig: Rig, header: WriteHeader, eager_bytes: int, outcome: list[int]) -
                                    LOWAT, 20, rig.out))
 
 
+def _started(rig: Rig, header: WriteHeader) -> tuple[threading.Thread, list[int]]:
+    """The native read of `header` on its own thread, once it has sent "ready"."""
+    outcome: list[int] = []
+    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
+    receiver.start()
+    assert _read_exactly(rig, len(READY)) == READY
+    return receiver, outcome
+
+
 def _read_exactly(rig: Rig, n: int) -> bytes:
     rig.theirs.settimeout(5)
     got = b""
@@ -67,11 +76,7 @@ def test_an_eager_handoff_lands_from_the_socket_and_completes_the_ticket(rig: Ri
 def test_a_larger_handoff_waits_for_ready_then_lands_across_many_reads(rig: Rig) -> None:
     pages = list(range(40))
     rig.expect(pages)
-    header = rig.header(((0, 40),))
-    outcome: list[int] = []
-    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
-    receiver.start()
-    assert _read_exactly(rig, len(READY)) == READY
+    receiver, outcome = _started(rig, rig.header(((0, 40),)))
     data = _pages(rig, 0, 40)
     for at in range(0, len(data), 5000):  # in pieces smaller than the wake-up mark
         rig.theirs.sendall(data[at:at + 5000])
@@ -94,11 +99,7 @@ def test_a_header_that_differs_from_what_was_armed_is_declined_with_nothing_read
 
 def test_a_cancel_stops_the_read_and_reports_what_arrived(rig: Rig) -> None:
     rig.expect(list(range(40)))
-    header = rig.header(((0, 40),))
-    outcome: list[int] = []
-    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
-    receiver.start()
-    assert _read_exactly(rig, len(READY)) == READY
+    receiver, outcome = _started(rig, rig.header(((0, 40),)))
     half = _pages(rig, 0, 20)
     rig.theirs.sendall(half)
     deadline = time.monotonic() + 10
@@ -115,11 +116,8 @@ def test_a_sender_gone_or_quiet_ends_it_and_the_ticket_can_be_written_again(
         rig: Rig, how: str) -> None:
     rig.expect(list(range(8)))
     header = rig.header(((0, 8),), timeout_ms=300.0)
-    outcome: list[int] = []
-    receiver = threading.Thread(target=_recv, args=(rig, header, 0, outcome))
     started = time.monotonic()
-    receiver.start()
-    assert _read_exactly(rig, len(READY)) == READY
+    receiver, outcome = _started(rig, header)
     rig.theirs.sendall(_pages(rig, 0, 2))
     if how == "hang-up":
         rig.theirs.close()

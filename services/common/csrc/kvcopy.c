@@ -467,11 +467,11 @@ static void kv_release(kv_table *t, kv_slot *s, kv_pool *p, int landed, uint64_t
 }
 
 /* Serve one same-host write: the encoded WriteHeader, the sender's pool as mapped here (its
- * address and size in bytes) and the source runs ((start, n) int32 pairs). KV_DECLINED: nothing was done (not armed, or anything differs:
- * the Python path answers). KV_REPLIED: every byte landed, the ticket is done here, and the
- * reply went on `fd`; out[0] = bytes. KV_STOPPED: a cancel stopped the copy (no reply sent).
- * KV_SEND_FAILED: landed and done, but the reply could not be sent. Little-endian hosts only
- * (the header's byte order); others decline. */
+ * address and size in bytes) and the source runs ((start, n) int32 pairs). KV_DECLINED: nothing
+ * was done (not armed, or anything differs: the Python path answers). KV_REPLIED: every byte
+ * landed, the ticket is done here, and the reply went on `fd`; out[0] = bytes. KV_STOPPED: a
+ * cancel stopped the copy (no reply sent). KV_SEND_FAILED: landed and done, but the reply could
+ * not be sent. Little-endian hosts only (the header's byte order); others decline. */
 int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_t src_base,
                      uint64_t src_size, const int32_t *src_runs, uint32_t nruns, int fd,
                      uint64_t slice_bytes, uint64_t stream_min, int64_t *out) {
@@ -502,18 +502,18 @@ int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_
     return kv_reply_done(fd) == 0 ? KV_REPLIED : KV_SEND_FAILED;
 }
 
-/* Serve one TCP handoff whose encoded WriteHeader (`hdr`) was just read from the data
- * connection `fd`: checked against its armed ticket as a same-host write is; "ready" sent
- * first unless the write is at most `eager` bytes (they follow the header at once); the runs read straight into the
- * reserved pages, the reader woken per `lowat` bytes (SO_RCVLOWAT; 0: per segment) and never
+/* Serve one TCP handoff whose encoded WriteHeader (`hdr`) was just read from the data connection
+ * `fd`: checked against its armed ticket as a same-host write is; "ready" sent first unless the
+ * write is at most `eager` bytes (they follow the header at once); the runs read straight into
+ * the reserved pages, the reader woken per `lowat` bytes (SO_RCVLOWAT; 0: per segment) and never
  * blocked longer than `slice_ms` between checks of a cancel, the pool closing and the sender's
  * timeout; then `done` sent. `ready` and `done` are the wire's encoded replies. out[0] = bytes
- * read. KV_DECLINED: nothing read (the Python path serves it). KV_REPLIED: every byte landed,
- * the ticket is done here. KV_STOPPED: a cancel stopped it (the stream is in step once the
- * rest, total - out[0], is read away); KV_BROKEN: the sender hung up, the socket failed or the
- * pool closed; KV_TIMED_OUT: the sender's timeout passed (both out of step: close the
- * connection); KV_SEND_FAILED: landed and done, but "done" could not be sent. On anything but
- * KV_REPLIED and KV_SEND_FAILED nothing counts as landed (the ticket may be written again). */
+ * read. KV_DECLINED: nothing read (the Python path serves it). KV_REPLIED: every byte landed, the
+ * ticket is done here. KV_STOPPED: a cancel stopped it (the stream is in step once the rest,
+ * total - out[0], is read away); KV_BROKEN: the sender hung up, the socket failed or the pool
+ * closed; KV_TIMED_OUT: the sender's timeout passed (both out of step: close the connection);
+ * KV_SEND_FAILED: landed and done, but "done" could not be sent. On anything but KV_REPLIED and
+ * KV_SEND_FAILED nothing counts as landed (the ticket may be written again). */
 int pdserve_kv_recv(void *table, const uint8_t *hdr, uint64_t hdr_len, int fd, uint64_t eager,
                     const char *ready, uint32_t ready_len, const char *done, uint32_t done_len,
                     uint64_t lowat, int slice_ms, int64_t *out) {

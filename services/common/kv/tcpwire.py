@@ -214,10 +214,15 @@ def read_reply(conn: socket.socket, deadline: float, liveness: Liveness | None) 
     return Reply.decode(recv_bytes(conn, length, deadline, None, liveness))
 
 
-def send_reply(conn: socket.socket, reply: Reply) -> None:
+def frame(reply: Reply) -> bytes:
+    """A reply as it goes on the wire: its length, then its encoding."""
     data = reply.encode()
+    return LENGTH.pack(len(data)) + data
+
+
+def send_reply(conn: socket.socket, reply: Reply) -> None:
     try:
-        send_all(conn, LENGTH.pack(len(data)) + data, time.monotonic() + 5.0, None)
+        send_all(conn, frame(reply), time.monotonic() + 5.0, None)
     except (OSError, TransferTimeout):
         pass  # the sender is gone; it reports its own error
 
