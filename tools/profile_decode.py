@@ -35,7 +35,8 @@ def main() -> None:
     from pdserve.bench.engine_run import random_prompts
     from pdserve.common.layout import pages_for_tokens
     from pdserve.common.models import resolve_model_name
-    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import Engine
     from pdserve.engine.model import load_model
     from pdserve.engine.sampling import SamplingParams
     from pdserve.engine.setup import model_dir

@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     from pdserve.bench.engine_run import random_prompts
-    from pdserve.engine.engine import Engine, EngineConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import Engine
     from pdserve.engine.sampling import SamplingParams
     from pdserve.engine.setup import load_model, model_dir, resolve_model_name
 

@@ -8,7 +8,8 @@ import time
 
 import torch
 from pdserve.common.layout import pages_for_tokens
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.sampling import SamplingParams
 

@@ -26,7 +26,6 @@ rest has to be shipped to it.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable
@@ -34,48 +33,15 @@ from collections.abc import Hashable, Iterable
 import torch
 from pdserve.common.layout import pages_for_tokens
 from pdserve.engine.batch import Batch
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.model import PagedCausalLM
 from pdserve.engine.pool import KVPool, OutOfPages, PageAllocator
 from pdserve.engine.preemption import ensure_decode_pages
 from pdserve.engine.prefill_order import prefill_order
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
-from pdserve.engine.sequence import Sequence, Status, StepOutput
+from pdserve.engine.sequence import HandoffHooks, Sequence, Status, StepOutput
 from pdserve.engine.tp import Ranks
-
-ROLES = ("colocated", "prefill", "decode")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    role: str = "colocated"
-    block_size: int = 16
-    num_pages: int = 4096
-    max_num_seqs: int = 256        # running sequences in one decode batch
-    chunk_size: int = 512          # prompt tokens of one sequence per step beside decodes
-    max_prefill_tokens: int = 2048  # prompt tokens of all sequences per prefill step
-    max_model_len: int = 0         # prompt + output tokens of one sequence (0: the model's)
-    prefix_caching: bool = True    # keep full pages for reuse by later prompts
-    # Prompts one step computes while sequences decode (0: as many as the budget holds). A
-    # step that packs several prompts gives each its first token only at its end, and holds
-    # every running sequence's next token as long.
-    prompts_beside_decodes: int = 0
-    # Prefill role: prompts waiting longer than this go first, oldest first (see prefill_order).
-    prefill_age_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        for name in ("block_size", "num_pages", "max_num_seqs", "chunk_size", "max_prefill_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-        if not self.prefill_age_s >= 0:
-            raise ValueError(f"prefill_age_s must be >= 0, got {self.prefill_age_s}")
-        if self.prompts_beside_decodes < 0:
-            raise ValueError(f"prompts_beside_decodes must be >= 0, got "
-                             f"{self.prompts_beside_decodes}")
 
 
 class Engine:
@@ -98,6 +64,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stalled = False  # the last step found work but could run none of it
         self.num_preemptions = 0  # running sequences sent back to be recomputed (out of pages)
+        self.handoff: HandoffHooks | None = None  # prefill role: the handoff starts early
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -329,6 +296,11 @@ class Engine:
             [s.num_tokens - 1 for s in decodes] + [s.num_cached for s, _ in plan],
             [pages(s.seq_id) for s in decodes] + [pages(s.seq_id) for s, _ in plan],
             self.config.block_size, self.device)
+        if self.handoff is not None:  # not where the first token surely ends it (no handoff)
+            for seq in (s for s, n in plan if s.num_cached + n == s.num_tokens
+                        and s.num_generated + 1 < s.params.max_tokens
+                        and s.num_tokens + 1 < self.max_model_len):
+                self.handoff.planned(seq.seq_id, list(pages(seq.seq_id)))
         logits = self.model(batch, self.pool.tensor)
         for seq, n in plan:
             seq.num_cached += n
@@ -355,6 +327,8 @@ class Engine:
             out.cached_tokens = seq.num_prefix_hit
             out.done_at = end
             seq.prefill_started_at = None  # a recompute after preemption measures anew
+            if self.handoff is not None and not out.finish_reason:
+                self.handoff.prefilled(seq.seq_id, list(pages(seq.seq_id)))
             outputs.append(out)
         if self.config.role == "prefill":  # the pages a chunk completed can ship already
             outputs += [StepOutput(s.seq_id, None, page_ids=pages(s.seq_id)[:n], done_at=end)

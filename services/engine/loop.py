@@ -110,6 +110,13 @@ class EngineLoop:
                 q.put(SequenceAborted(f"{seq_id}: {reason}"))
             return found
 
+    def publish(self, seq_id: str, item: StepOutput) -> None:
+        """Put `item` on a sequence's queue from inside a step (an engine hook, on the loop's
+        thread, which holds the lock), ahead of the step's outputs."""
+        q = self._queues.get(seq_id)
+        if q is not None:
+            q.put(item)
+
     def unsubscribe(self, seq_id: str) -> None:
         with self._lock:
             self._queues.pop(seq_id, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Protocol
 
 import torch
 from pdserve.engine.sampling import SamplingParams
@@ -65,8 +66,22 @@ class StepOutput:
     prefill_ms: float = 0.0            # on a prefill's output: first chunk start -> token sampled
     done_at: float = 0.0               # prefill role: perf_counter when the step ended (KV ready)
     cached_tokens: int = 0             # on a prefill's output: prompt tokens the cache supplied
+    planned: bool = False              # prefill role: page_ids are the prompt's, its last chunk
+    #                                    computing (PrefillWorker.planned)
 
     @property
     def progress(self) -> bool:
         """A prefill chunk's pages, not a token."""
         return self.token is None and self.finish_reason is None
+
+
+class HandoffHooks(Protocol):
+    """Prefill role: the engine's thread tells whoever ships a sequence's KV (PrefillWorker)
+    what a step does for it, inside the step (under the engine lock). Must not raise."""
+
+    def planned(self, seq_id: str, pages: list[int]) -> None:
+        """Before the forward of the chunk that ends the prompt: all its pages."""
+
+    def prefilled(self, seq_id: str, pages: list[int]) -> None:
+        """That chunk's KV is in pages and its first token sampled (the sequence goes on to
+        decode), before the step's outputs go out."""

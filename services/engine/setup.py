@@ -13,7 +13,8 @@ from pathlib import Path
 from pdserve.common.cpus import format_cpu_list
 from pdserve.common.models import ModelRef, resolve_model_name
 from pdserve.engine import builtin, kernels
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.model import (
     PagedCausalLM,
     check_architecture,

@@ -142,6 +142,12 @@ class PackedHandoff:
         self._sent: list[Handoff] = []
         self._cancelled = False
 
+    def prepare(self) -> None:
+        """Nothing: packing waits for staging pages."""
+
+    def begin(self) -> None:
+        """Nothing (as `prepare`)."""
+
     def result(self) -> TransferReport:
         p = self._p
         deadline = time.monotonic() + self._timeout_s

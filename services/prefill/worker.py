@@ -12,6 +12,7 @@ while running or shipping frees its pages and stops its shipment.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from pdserve.worker.cache_feed import CacheFeed
 from pdserve.worker.samehost import LaneOptions, SameHostLane
 from pdserve.worker.streams import first_output
 from pdserve.worker.types import PrefillRequest, PrefillResult, WorkerStats
+
+log = logging.getLogger("pdserve.prefill.worker")
 
 
 class PrefillWorker:
@@ -70,6 +73,7 @@ class PrefillWorker:
         self.lanes = (LaneOptions(same_host_lane, network_lane, self._count_lane_handoff)
                       if same_host_lane or network_lane else None)
         self.cache_feed = CacheFeed(loop)
+        self.engine.handoff = self
 
     def register(self) -> None:
         pool = self.engine.pool
@@ -171,14 +175,14 @@ class PrefillWorker:
             self._shipments[rid] = shipment
         return shipment
 
-    def _progress(self, shipment: Shipment | RankShipments
-                  ) -> Callable[[StepOutput], None] | None:
-        if not self.pipeline_handoff:
-            return None
-
-        def ship(out: StepOutput) -> None:
-            shipment.ship(out.page_ids or [])
-        return ship
+    def _progress(self, shipment: Shipment | RankShipments) -> Callable[[StepOutput], None]:
+        def progress(out: StepOutput) -> None:
+            if out.planned:
+                if isinstance(shipment, Shipment):
+                    shipment.prepare(out.page_ids or [])
+            elif self.pipeline_handoff:
+                shipment.ship(out.page_ids or [])
+        return progress
 
     def _finish(self, rid: str, shipment: Shipment | RankShipments, out: StepOutput,
                 destination: Destination) -> TransferReport:
@@ -188,6 +192,24 @@ class PrefillWorker:
             raise Aborted(f"{rid} was cancelled during its KV handoff") from None
         except ServiceError as exc:
             raise handoff_failed(rid, destination, exc) from None
+
+    # ---- HandoffHooks: the engine's thread, inside a step ----------------------------------
+    def planned(self, rid: str, pages: list[int]) -> None:
+        """The prompt's last chunk is about to compute: its request's thread prepares the
+        handoff of the pages not shipped yet meanwhile (Shipment.prepare)."""
+        self.loop.publish(rid, StepOutput(rid, None, page_ids=pages, planned=True))
+
+    def prefilled(self, rid: str, pages: list[int]) -> None:
+        """The KV is ready: start the prepared handoff at once (Shipment.begin), before the
+        request's thread is woken; `_finish` completes it, or sends it if nothing was
+        prepared."""
+        with self._lock:
+            shipment = self._shipments.get(rid)
+        if isinstance(shipment, Shipment):
+            try:
+                shipment.begin()
+            except Exception:  # never the engine's step: `_finish` completes it or says why not
+                log.exception("starting the KV handoff of %s on the engine's thread", rid)
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -109,6 +109,12 @@ class Send:
     def __init__(self, call: Call):
         self._call = call
 
+    def prepare(self) -> None:
+        """Nothing: the agent's handoff starts in `result`."""
+
+    def begin(self) -> None:
+        """Nothing (as `prepare`)."""
+
     def result(self) -> TransferReport:
         """The sending agent's report. Raises `Aborted` once cancelled, `ServiceError` with
         the agent's status when the handoff failed."""

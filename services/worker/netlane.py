@@ -23,7 +23,7 @@ import numpy as np
 from pdserve.common.errors import ServiceError
 from pdserve.common.kv.errors import PeerUnavailable, StaleEpoch
 from pdserve.common.kv.runs import PageRun
-from pdserve.common.kv.tcpwire import TcpSender
+from pdserve.common.kv.tcpwire import Prepared, TcpSender
 from pdserve.common.kv.wire import Liveness, WriteHeader, counted_liveness
 from pdserve.worker.agent_client import AgentClient
 
@@ -50,13 +50,19 @@ class TcpLane:
         b = self._page_bytes
         return [self._pool[r.src_start * b:(r.src_start + r.num_pages) * b] for r in runs]
 
+    def prepare(self, sender: TcpSender, address: str, header: WriteHeader,
+                runs: Sequence[PageRun], timeout_s: float) -> Prepared | None:
+        """An eager handoff ready to go (`TcpSender.prepare`)."""
+        return sender.prepare(address, header, self.views(runs), timeout_s)
+
     def send(self, sender: TcpSender, address: str, header: WriteHeader,
              runs: Sequence[PageRun], timeout_s: float, agent_address: str,
-             attach: Callable[[socket.socket | None], None]) -> None:
-        """One handoff; the receiver's refusal, TransferTimeout or PeerUnavailable as the
-        agent's transport raises them."""
+             attach: Callable[[socket.socket | None], None], begun: Prepared | None = None
+             ) -> None:
+        """One handoff (or the rest of a begun one); the receiver's refusal, TransferTimeout
+        or PeerUnavailable as the agent's transport raises them."""
         sender.send(address, header, self.views(runs), timeout_s,
-                    self._liveness(agent_address, header.dst_agent_epoch), attach)
+                    self._liveness(agent_address, header.dst_agent_epoch), attach, begun)
 
     def _liveness(self, address: str, epoch: int) -> Liveness:
         def ask() -> None:

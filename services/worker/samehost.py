@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError
@@ -51,10 +51,12 @@ from pdserve.common.kv.relayout import ColumnSpec
 from pdserve.common.kv.runs import PageRun, coalesce
 from pdserve.common.kv.samehost import open_connection, raise_refusal, request_copy, write_message
 from pdserve.common.kv.spans import send_span
+from pdserve.common.kv.tcpwire import Prepared
 from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 from pdserve.worker.agent_client import AgentClient
+from pdserve.worker.lanesend import Fallback, LaneSend, Started, UseAgent
 from pdserve.worker.netlane import TcpLane
 
 log = logging.getLogger("pdserve.worker.samehost")
@@ -97,20 +99,6 @@ class LaneOptions:
     on_sent: Callable[[str], None] = lambda transport: None
 
 
-class Fallback(Protocol):
-    """How a part goes when the lane cannot take it (the agent's `Send`, or a packed one)."""
-
-    def result(self) -> TransferReport: ...
-
-    def settle(self) -> None: ...
-
-    def cancel(self) -> None: ...
-
-
-class _UseAgent(Exception):
-    """The lane cannot take this handoff: send it through the agent."""
-
-
 class SameHostLane:
     """`send` as `AgentClient.send` has it, taking the lane where it can (thread-safe)."""
 
@@ -142,11 +130,13 @@ class SameHostLane:
         cannot take it."""
         fallback = fallback or functools.partial(self._agent.send, ticket, src_pool_id,
                                                  src_page_ids, destination, timeout_s)
-        route = self.route(destination)
-        if route is None:
-            return fallback()
-        # The fallback's request is made only if the lane cannot take the part.
-        return LaneSend(self, route, ticket, src_page_ids, destination, timeout_s, fallback)
+        # The route is found (and the fallback's request made) when the part goes.
+        return LaneSend(self, ticket, src_page_ids, destination, timeout_s, fallback)
+
+    def known_route(self, dest: Destination) -> Route | None:
+        """The route to the destination's agent if already known (never asks the agent)."""
+        with self._lock:
+            return self._routes.get((dest.agent_address, dest.agent_epoch))
 
     def route(self, dest: Destination, remote: bool = False) -> Route | None:
         """The lane to the destination's agent, or None (send through this host's agent).
@@ -180,34 +170,68 @@ class SameHostLane:
                 self._routes.clear()
             self._routes[key] = route
 
-    def copy(self, s: LaneSend) -> TransferReport:
-        """One handoff over the lane; _UseAgent when it cannot take it."""
-        started = time.perf_counter()
-        failpoints.hit("kv.send", s.ticket.request_id)
+    def prepare(self, s: LaneSend) -> Started | None:
+        """An eager TCP handoff made ready to go (runs, header, a connection), for the engine's
+        thread to write when its KV is ready (`Started.prepared.push`); `copy` finishes it.
+        None where `copy` does more than write (no TCP route, tracing, failpoints) or will
+        refuse it."""
+        if self._tcp is None or not s.route.tcp_address or tracing.enabled() \
+                or failpoints.active():
+            return None
+        try:
+            runs = self._runs(s)
+        except (UseAgent, KvTransferError):
+            return None
+        header = self._header(s, runs)
+        prepared = self._tcp.prepare(
+            self._tcp.sender(s.route.write_bytes, s.route.buffer_bytes), s.route.tcp_address,
+            header, runs, s.timeout_s)
+        return None if prepared is None else Started(runs, header, prepared)
+
+    def _runs(self, s: LaneSend) -> list[PageRun]:
+        """The handoff's runs; UseAgent (the agent names a bad request), or KvTransferError
+        for a layout the destination does not share (caught before any I/O, as the agent
+        does)."""
         try:
             runs = coalesce(s.src_page_ids, s.dest.page_ids)
         except ValueError:
-            raise _UseAgent() from None  # the agent names the bad request
+            raise UseAgent() from None
         if not runs or len(runs) > MAX_RUNS:
-            raise _UseAgent()
-        route, dest = s.route, s.dest
-        if dest.fingerprint is not None:  # caught here, as the agent does, before any I/O
+            raise UseAgent()
+        if s.dest.fingerprint is not None:
+            expect_same(self._fingerprint, s.dest.fingerprint, "source", "destination")
+        return runs
+
+    def _header(self, s: LaneSend, runs: list[PageRun]) -> WriteHeader:
+        return WriteHeader(
+            xfer_id=random.getrandbits(36), ticket=s.ticket, dst_agent_epoch=s.dest.agent_epoch,
+            dst_pool_id=s.dest.pool_id, fingerprint=self._fingerprint,
+            page_bytes=self._page_bytes, dst_runs=tuple((r.dst_start, r.num_pages) for r in runs),
+            timeout_ms=s.timeout_s * 1e3, traceparent=tracing.traceparent(),
+            sender=s.route.sender)
+
+    def copy(self, s: LaneSend) -> TransferReport:
+        """One handoff over the lane (finishing one `prepare` made ready, which `begin` may have
+        started); UseAgent when it cannot take it."""
+        begun = s.started()
+        started = begun.prepared.pushed_at if begun and begun.prepared.pushed_at \
+            else time.perf_counter()
+        if begun is None:
+            failpoints.hit("kv.send", s.ticket.request_id)
             try:
-                expect_same(self._fingerprint, dest.fingerprint, "source", "destination")
+                runs = self._runs(s)
             except KvTransferError as exc:
                 self._fail(exc)
+        route, dest = s.route, s.dest
         transport = "tcp" if route.tcp_address else "shm"
         with send_span(route.sender, s.ticket.request_id, dest.agent_address,
                        len(s.src_page_ids)) as span:
-            header = WriteHeader(
-                xfer_id=random.getrandbits(36), ticket=s.ticket,
-                dst_agent_epoch=dest.agent_epoch, dst_pool_id=dest.pool_id,
-                fingerprint=self._fingerprint, page_bytes=self._page_bytes,
-                dst_runs=tuple((r.dst_start, r.num_pages) for r in runs),
-                timeout_ms=s.timeout_s * 1e3, traceparent=tracing.traceparent(),
-                sender=route.sender)
+            if begun is not None:
+                runs, header, prepared = begun.runs, begun.header, begun.prepared
+            else:
+                header, prepared = self._header(s, runs), None
             if route.tcp_address:
-                self._over_tcp(s, header, runs)
+                self._over_tcp(s, header, runs, prepared)
             else:
                 self._over_shm(s, header, runs)
             elapsed_ms = (time.perf_counter() - started) * 1e3
@@ -238,7 +262,7 @@ class SameHostLane:
                 raise Aborted("the KV handoff was cancelled") from None
             log.info("same-host lane to agent %s: %s; sending through the agent",
                      route.agent_id, exc.message)
-            raise _UseAgent() from None
+            raise UseAgent() from None
         except KvTransferError as exc:  # timed out
             self._fail(exc)
         finally:
@@ -250,17 +274,18 @@ class SameHostLane:
             self._remember((dest.agent_address, dest.agent_epoch), None)
             log.info("agent %s cannot copy from this worker's pool (%s): handoffs to it go "
                      "through this host's agent", route.agent_id, exc.message)
-            raise _UseAgent() from None
+            raise UseAgent() from None
         except KvTransferError as exc:
             self._fail(exc)
 
-    def _over_tcp(self, s: LaneSend, header: WriteHeader, runs: list[PageRun]) -> None:
+    def _over_tcp(self, s: LaneSend, header: WriteHeader, runs: list[PageRun],
+                  begun: Prepared | None = None) -> None:
         assert self._tcp is not None
         route, dest = s.route, s.dest
         sender = self._tcp.sender(route.write_bytes, route.buffer_bytes)
         try:
             self._tcp.send(sender, route.tcp_address, header, runs, s.timeout_s,
-                           dest.agent_address, s.attach)
+                           dest.agent_address, s.attach, begun)
         except PeerUnavailable as exc:
             if s.cancelled:
                 raise Aborted("the KV handoff was cancelled") from None
@@ -271,7 +296,7 @@ class SameHostLane:
             # tries again on a fresh connection, or names what is wrong
             log.info("lane to agent %s: %s; sending through this host's agent",
                      route.agent_id, exc.message)
-            raise _UseAgent() from None
+            raise UseAgent() from None
         except KvTransferError as exc:  # a refusal, a stale epoch, or timed out
             self._fail(exc)
 
@@ -315,7 +340,7 @@ class SameHostLane:
                 self.route(s.dest, remote=True)  # the network route next time, if offered
             else:
                 self._remember((s.dest.agent_address, s.dest.agent_epoch), None)
-            raise _UseAgent() from None
+            raise UseAgent() from None
 
     def _checkin(self, route: Route, sock: socket.socket, carried: set[str], reusable: bool
                  ) -> None:
@@ -335,65 +360,3 @@ class SameHostLane:
         if self._tcp is not None:
             self._tcp.close()
         os.close(self.readonly_fd)
-
-
-class LaneSend:
-    """A handoff over the lane, through the agent when the lane cannot take it; `cancel()`
-    (any thread) gives up either way."""
-
-    def __init__(self, lane: SameHostLane, route: Route, ticket: TicketKey,
-                 src_page_ids: list[int], dest: Destination, timeout_s: float,
-                 through_agent: Callable[[], Fallback]):
-        self.route, self.ticket, self.src_page_ids = route, ticket, src_page_ids
-        self.dest, self.timeout_s = dest, timeout_s
-        self._lane = lane
-        self._through_agent = through_agent
-        self._fallback: Fallback | None = None
-        self.note: dict[str, object] | None = None  # what this host's agent is told after
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self.cancelled = False
-
-    def result(self) -> TransferReport:
-        if self.cancelled:
-            raise Aborted("the KV handoff was cancelled")
-        try:
-            return self._lane.copy(self)
-        except _UseAgent:
-            pass
-        with self._lock:
-            if self.cancelled:
-                raise Aborted("the KV handoff was cancelled") from None
-            fallback = self._fallback = self._through_agent()
-        return fallback.result()
-
-    def settle(self) -> None:
-        """Tell this host's agent what the lane sent (it counts the bytes as its own)."""
-        if self.note is not None:
-            self._lane.note(self.note)
-            self.note = None
-        elif self._fallback is not None:
-            self._fallback.settle()
-
-    def attach(self, sock: socket.socket | None) -> None:
-        with self._lock:
-            self._sock = sock
-            cancelled = self.cancelled
-        if sock is not None and cancelled:
-            _hang_up(sock)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            sock, fallback = self._sock, self._fallback
-        if sock is not None:
-            _hang_up(sock)  # wakes the thread waiting for the receiver's reply
-        if fallback is not None:
-            fallback.cancel()
-
-
-def _hang_up(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.loop import EngineLoop, SequenceAborted
 from pdserve.engine.model import load_model
 from pdserve.engine.pool import OutOfPages
@@ -119,5 +120,39 @@ def test_a_prompt_that_ends_at_its_first_token_finishes_cleanly(tiny, role):
         assert one.finish_reason == "length" and one.token is not None
         _step_until(engine, lambda o: any(x.finish_reason for x in o if x.seq_id == "more"))
         assert not engine.seqs and engine.allocator.num_free == 16
+    finally:
+        engine.close()
+
+
+class _Hooks:
+    """HandoffHooks recording what the engine told, with the step's state at that moment."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.calls = engine, []
+
+    def planned(self, seq_id, pages):
+        seq = self.engine.seqs[seq_id]
+        self.calls.append(("planned", seq_id, pages, seq.num_cached))
+
+    def prefilled(self, seq_id, pages):
+        self.calls.append(("prefilled", seq_id, pages, len(self.engine.seqs[seq_id].token_ids)))
+
+
+def test_a_prefill_engine_tells_its_handoff_before_the_last_chunk_and_once_its_kv_is_ready(tiny):
+    """The prefill worker starts a handoff early from these: `planned` with every page of the
+    prompt before the forward of its last chunk (none for earlier chunks), `prefilled` with the
+    same pages once that chunk's first token is sampled; neither for a prompt whose first token
+    is its last by max_tokens (no handoff follows)."""
+    engine = _engine(tiny, role="prefill", num_pages=32, chunk_size=16)
+    hooks = engine.handoff = _Hooks(engine)
+    try:
+        prompt = list(range(5, 45))  # 40 tokens: chunks of 16, 16, 8; three pages of 16
+        engine.add_request("long", prompt, GREEDY)
+        engine.add_request("short", list(range(50, 60)), SamplingParams(max_tokens=1))
+        _step_until(engine, lambda o: {x.seq_id for x in o} >= {"long", "short"})
+        pages = engine.allocator.pages_of("long")
+        assert len(pages) == 3
+        assert hooks.calls == [("planned", "long", pages, 32),  # before the 8-token chunk
+                               ("prefilled", "long", pages, len(prompt) + 1)]
     finally:
         engine.close()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.model import load_model
 from pdserve.engine.sampling import SamplingParams
 

@@ -10,7 +10,8 @@ import torch
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.prefix import page_keys, root_key
 from pdserve.engine.allocator import OutOfPages, PageAllocator
-from pdserve.engine.engine import Engine, EngineConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.engine.model import load_model
 from pdserve.engine.sampling import SamplingParams
 

@@ -1,7 +1,10 @@
-"""The TCP data path's reads woken per SO_RCVLOWAT bytes (pdserve.common.kv.tcpwire): every
+"""The TCP data path (pdserve.common.kv.tcpwire). Reads woken per SO_RCVLOWAT bytes: every
 byte lands, also a tail shorter than the mark that arrives after the reader went to sleep (a
 blocking read would wait for a full mark's worth that never comes), and the mark is back at 1
-for the next header."""
+for the next header. A prepared eager handoff: `push` alone puts its header and bytes on the
+wire, `send` then only waits for the reply and the connection is kept for the next one; a push
+on a connection the receiver closed starts over on a fresh one; what cannot go eager is not
+prepared."""
 
 from __future__ import annotations
 
@@ -13,7 +16,13 @@ import threading
 import time
 
 import numpy as np
-from pdserve.common.kv.tcpwire import recv_into
+import pytest
+from pdserve.common.kv.tcpwire import TcpSender, frame, recv_bytes, recv_into
+from pdserve.common.kv.wire import PREFIX_BYTES, Reply, WriteHeader
+from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.tickets import TicketKey
+
+FP = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 4)
 
 
 def _connected() -> tuple[socket.socket, socket.socket]:
@@ -66,3 +75,117 @@ def test_a_reader_woken_per_mark_gets_a_tail_shorter_than_the_mark() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+class _Receiver:
+    """A data port that reads each handoff whole and answers "done" (a thread per connection;
+    `close_idle` hangs up every connection between handoffs, as a restarted agent would)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.got: list[tuple[int, bytes]] = []  # (connection number, the handoff's bytes)
+        self.arrived = threading.Event()
+        self.close_idle = False
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        for number in range(8):  # bounded: a test opens at most a few
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn, number), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, number: int) -> None:
+        with conn:
+            for _ in range(8):
+                try:
+                    prefix = recv_bytes(conn, PREFIX_BYTES, time.monotonic() + 10, None)
+                    raw = prefix + recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
+                                              time.monotonic() + 10, None)
+                    data = recv_bytes(conn, WriteHeader.decode(raw).kv_bytes,
+                                      time.monotonic() + 10, None)
+                except Exception:  # noqa: BLE001 - the sender hung up
+                    return
+                self.got.append((number, data))
+                self.arrived.set()
+                conn.sendall(frame(Reply("done")))
+                if self.close_idle:
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self._conns:
+            conn.close()
+
+
+def _header(pages: int) -> WriteHeader:
+    return WriteHeader(xfer_id=7, ticket=TicketKey("r", 1), dst_agent_epoch=1, dst_pool_id="p",
+                       fingerprint=FP, page_bytes=FP.page_bytes, dst_runs=((0, pages),),
+                       timeout_ms=5000.0)
+
+
+def _pages(pages: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, pages * FP.page_bytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def receiver():
+    r = _Receiver()
+    yield r
+    r.close()
+
+
+def test_a_prepared_handoff_is_on_the_wire_after_push_and_its_connection_is_kept(receiver):
+    sender = TcpSender()
+    try:
+        sender.send(receiver.address, _header(2), [_pages(2, 1)], 5.0)  # opens a connection
+        receiver.arrived.clear()
+        data = _pages(3, 2)
+        prepared = sender.prepare(receiver.address, _header(3), [data[:FP.page_bytes],
+                                                                  data[FP.page_bytes:]], 5.0)
+        assert prepared is not None and prepared.sent == 0
+        prepared.push()
+        assert receiver.arrived.wait(10), "push did not put the handoff on the wire"
+        assert receiver.got[-1] == (0, data.tobytes())  # whole, on the kept connection
+        sender.send(receiver.address, _header(3), [data], 5.0, begun=prepared)  # the reply
+        again = sender.prepare(receiver.address, _header(1), [_pages(1, 3)], 5.0)
+        assert again is not None and again.conn is prepared.conn  # kept for the next one
+        again.conn.close()
+    finally:
+        sender.close()
+
+
+def test_a_push_on_a_connection_the_receiver_closed_starts_over_on_a_fresh_one(receiver):
+    sender = TcpSender()
+    try:
+        receiver.close_idle = True  # hangs up after each handoff
+        sender.send(receiver.address, _header(1), [_pages(1, 4)], 5.0)
+        data = _pages(2, 5)
+        prepared = sender.prepare(receiver.address, _header(2), [data], 5.0)
+        assert prepared is not None
+        deadline = time.monotonic() + 10
+        while not prepared.broken and time.monotonic() < deadline:  # bounded
+            prepared.push()  # the first may still go into the dead socket's buffer
+            time.sleep(0.01)
+            prepared.sent = 0
+        assert prepared.broken
+        sender.send(receiver.address, _header(2), [data], 5.0, begun=prepared)
+        assert receiver.got[-1] == (1, data.tobytes())  # landed whole on a new connection
+    finally:
+        sender.close()
+
+
+def test_what_cannot_go_eager_is_not_prepared(receiver):
+    sender = TcpSender()
+    try:
+        big = 1 + (1 << 20) // FP.page_bytes  # above the eager size
+        assert sender.prepare(receiver.address, _header(big), [_pages(big, 6)], 5.0) is None
+        with socket.create_server(("127.0.0.1", 0)) as closed:
+            port = closed.getsockname()[1]
+        assert sender.prepare(f"127.0.0.1:{port}", _header(1), [_pages(1, 7)], 1.0) is None
+    finally:
+        sender.close()

@@ -49,6 +49,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 # `pdserve bench kv --netns`; waking per segment 2.79 / 2.65 (docs/kv-transfer.md).
 DEFAULT_RCVLOWAT = 256 << 10
 _SCRATCH_BYTES = 1 << 20
+_MAX_PIECES = 1024  # buffers in one sendmsg (IOV_MAX)
 
 
 class Closed(Exception):
@@ -62,6 +63,36 @@ class Stopped(Exception):
     def __init__(self, got: int):
         super().__init__(f"aborted after {got} bytes")
         self.got = got
+
+
+class Prepared:
+    """An eager handoff made ready by `TcpSender.prepare`: its connection, its bytes (header
+    first) and how many of them are written; `push` writes what the socket takes at once."""
+
+    def __init__(self, conn: socket.socket, pieces: list[memoryview]):
+        self.conn, self.pieces, self.sent = conn, pieces, 0
+        self.broken = False  # a write failed: the connection is closed, `send` starts over
+        self.pushed_at = 0.0  # perf_counter of the first push
+
+    def push(self) -> None:
+        """Write as many of the bytes as the socket takes without waiting, in one call."""
+        self.pushed_at = self.pushed_at or time.perf_counter()
+        try:
+            self.sent += self.conn.sendmsg(self.rest(), (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.broken = True
+            self.conn.close()
+
+    def rest(self) -> list[memoryview]:
+        """The bytes not written yet."""
+        skip, rest = self.sent, []
+        for piece in self.pieces:
+            if skip < len(piece):
+                rest.append(piece[skip:])
+            skip = max(0, skip - len(piece))
+        return rest
 
 
 class TcpSender:
@@ -83,22 +114,43 @@ class TcpSender:
         self._lock = threading.Lock()
         self._closed = False
 
+    def prepare(self, address: str, header: WriteHeader, src_views: Sequence[np.ndarray],
+                timeout_s: float) -> Prepared | None:
+        """An eager handoff ready to go: a connection taken and its bytes laid out, so that
+        `Prepared.push` only writes; `send` with it writes the rest and waits for the reply.
+        None where it cannot be (not eager, TLS, no connection)."""
+        if header.kv_bytes > EAGER_BYTES or self.client_tls is not None \
+                or len(src_views) >= _MAX_PIECES:
+            return None
+        try:
+            conn = self._checkout(address, time.monotonic() + min(timeout_s, 5.0))
+        except PeerUnavailable:
+            return None  # `send` tries again, and says why
+        return Prepared(conn, [memoryview(header.encode()),
+                               *(v.data.cast("B") for v in src_views)])
+
     def send(self, address: str, header: WriteHeader, src_views: Sequence[np.ndarray],
              timeout_s: float, liveness: Liveness | None = None,
-             attach: Callable[[socket.socket | None], None] = lambda conn: None) -> None:
-        """One handoff to the data port at `address` ("host:port"); returns once the receiver
-        said every byte landed. PeerUnavailable (retryable when nothing was acknowledged),
-        TransferTimeout, or the receiver's refusal. `attach` is told the connection while it
-        is in use (hanging it up stops the handoff)."""
+             attach: Callable[[socket.socket | None], None] = lambda conn: None,
+             begun: Prepared | None = None) -> None:
+        """One handoff to the data port at `address` ("host:port"), or the rest of a prepared
+        one (`begun`); returns once the receiver said every byte landed. PeerUnavailable
+        (retryable when nothing was acknowledged), TransferTimeout, or the receiver's refusal.
+        `attach` is told the connection while it is in use (hanging it up stops it)."""
         deadline = time.monotonic() + timeout_s
-        conn = self._checkout(address, deadline)
+        begun = None if begun is None or begun.broken else begun
+        conn = self._checkout(address, deadline) if begun is None else begun.conn
         attach(conn)
         eager = header.kv_bytes <= EAGER_BYTES
         reusable = False
         try:
             try:
-                send_all(conn, header.encode(), deadline, liveness)
-                if eager:  # the bytes right behind the header; the one reply says how it went
+                if begun is not None:
+                    for piece in begun.rest():
+                        send_all(conn, piece, deadline, liveness, self.write_bytes)
+                else:
+                    send_all(conn, header.encode(), deadline, liveness)
+                if eager and begun is None:  # the bytes right behind the header: one reply
                     self._send_runs(conn, src_views, deadline, liveness)
                 ready = None if eager else read_reply(conn, deadline, liveness)
             except (OSError, Closed) as exc:
@@ -198,7 +250,7 @@ def plain_data_socket(conn: socket.socket, buffer_bytes: int) -> None:
 _SLICE_ENDED = (TimeoutError, BlockingIOError)
 
 
-def send_all(conn: socket.socket, data: bytes | np.ndarray, deadline: float,
+def send_all(conn: socket.socket, data: bytes | memoryview | np.ndarray, deadline: float,
              liveness: Liveness | None, write_bytes: int = DEFAULT_WRITE_BYTES) -> None:
     view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     sent, next_check = 0, time.monotonic() + LIVENESS_INTERVAL_S

@@ -83,6 +83,7 @@ def expect_same(mine: LayoutFingerprint, theirs: LayoutFingerprint, mine_name: s
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def fingerprint_bytes(fp: LayoutFingerprint) -> bytes:
     """A pool's layout as a header carries it: JSON bytes (a few layouts per agent: made once
     each). A receiver armed for native writes compares these bytes."""
