@@ -14,7 +14,8 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.common.errors import Aborted
 from pdserve.common.handoff import Destination, TransferReport
@@ -23,8 +24,32 @@ from pdserve.common.kv.tcpwire import Prepared
 from pdserve.common.kv.wire import WriteHeader
 from pdserve.common.tickets import TicketKey
 
-if TYPE_CHECKING:
-    from pdserve.worker.samehost import Route, SameHostLane
+
+@dataclass(frozen=True)
+class Route:
+    """A destination agent this worker copies to itself."""
+
+    agent_id: str
+    local_socket: str
+    token: bytes
+    sender: str  # this host's agent's id: the receiver counts the bytes as that peer's
+    tcp_address: str = ""  # set: another host's agent, over TCP (pdserve.worker.netlane)
+    write_bytes: int = 0
+    buffer_bytes: int = 0
+
+
+class Lane(Protocol):
+    """What a LaneSend asks of its lane (pdserve.worker.samehost.SameHostLane)."""
+
+    def known_route(self, dest: Destination) -> Route | None: ...
+
+    def route(self, dest: Destination) -> Route | None: ...
+
+    def prepare(self, s: LaneSend) -> Started | None: ...
+
+    def copy(self, s: LaneSend) -> TransferReport: ...
+
+    def note(self, message: dict[str, object]) -> None: ...
 
 
 class Fallback(Protocol):
@@ -54,7 +79,7 @@ class Started:
 
 
 class LaneSend:
-    def __init__(self, lane: SameHostLane, ticket: TicketKey, src_page_ids: list[int],
+    def __init__(self, lane: Lane, ticket: TicketKey, src_page_ids: list[int],
                  dest: Destination, timeout_s: float, through_agent: Callable[[], Fallback]):
         self._route: Route | None = None  # found when the part goes (None: through the agent)
         self.ticket, self.src_page_ids = ticket, src_page_ids

@@ -56,25 +56,12 @@ from pdserve.common.kv.wire import MAX_RUNS, WriteHeader, expect_same
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 from pdserve.worker.agent_client import AgentClient
-from pdserve.worker.lanesend import Fallback, LaneSend, Started, UseAgent
+from pdserve.worker.lanesend import Fallback, LaneSend, Route, Started, UseAgent
 from pdserve.worker.netlane import TcpLane
 
 log = logging.getLogger("pdserve.worker.samehost")
 MAX_IDLE_PER_PEER = 4
 MAX_ROUTES = 1024  # destination agents (x epochs) remembered
-
-
-@dataclass(frozen=True)
-class Route:
-    """A destination agent this worker copies to itself."""
-
-    agent_id: str
-    local_socket: str
-    token: bytes
-    sender: str  # this host's agent's id: the receiver counts the bytes as that peer's
-    tcp_address: str = ""  # set: another host's agent, over TCP (pdserve.worker.netlane)
-    write_bytes: int = 0
-    buffer_bytes: int = 0
 
 
 @dataclass(frozen=True)
