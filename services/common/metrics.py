@@ -177,6 +177,10 @@ class WorkerMetrics:
                                      "prefill worker sent itself, by transport: shm (to an agent "
                                      "of this host), tcp (to another host's); the rest went "
                                      "through its agent", ("transport",), registry=r)
+        self.handoffs_begun = Counter("pdserve_kv_handoffs_begun", "last parts of KV handoffs "
+                                      "this prefill worker started writing the moment their KV "
+                                      "was ready (made ready while the prompt's last chunk "
+                                      "computed; its own TCP lane, eager sizes)", registry=r)
         r.register(_StatsCollector(role, stats))
 
     def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:

@@ -50,9 +50,10 @@ class Handoff(Protocol):
         """Make ready what `begin` needs, where the path can start without waiting (the
         request's thread, while the prompt's last chunk computes)."""
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         """Put the bytes on the wire now where that needs no waiting (the engine's thread,
-        as the KV becomes ready); `result` finishes the handoff either way."""
+        as the KV becomes ready; True if it wrote); `result` finishes the handoff either
+        way."""
 
     def result(self) -> TransferReport: ...
 
@@ -121,16 +122,16 @@ class Shipment:
         except Exception:  # not this request's failure: `finish` sends it the usual way
             log.exception("preparing the KV handoff of %s", self._ticket.request_id)
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         """The last chunk's KV is ready (the engine's thread, inside its step): start the
-        prepared part where no earlier part is in flight."""
+        prepared part where no earlier part is in flight. True if it wrote."""
         with self._lock:
             send = self._next
             if send is None or self._cancelled or self._error is not None \
                     or (self._drain is not None and not self._drain.done()):
-                return
+                return False
             self._begun_at = time.perf_counter()
-        send.begin()
+        return send.begin()
 
     def finish(self, all_pages: list[int], kv_ready: float) -> TransferReport:
         """Ship the rest and wait until every page is resident; `kv_ready` (perf_counter) is

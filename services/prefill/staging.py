@@ -145,8 +145,9 @@ class PackedHandoff:
     def prepare(self) -> None:
         """Nothing: packing waits for staging pages."""
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         """Nothing (as `prepare`)."""
+        return False
 
     def result(self) -> TransferReport:
         p = self._p

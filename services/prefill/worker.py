@@ -207,7 +207,8 @@ class PrefillWorker:
             shipment = self._shipments.get(rid)
         if isinstance(shipment, Shipment):
             try:
-                shipment.begin()
+                if shipment.begin():
+                    self.metrics.handoffs_begun.inc()
             except Exception:  # never the engine's step: `_finish` completes it or says why not
                 log.exception("starting the KV handoff of %s on the engine's thread", rid)
 

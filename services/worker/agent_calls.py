@@ -112,8 +112,9 @@ class Send:
     def prepare(self) -> None:
         """Nothing: the agent's handoff starts in `result`."""
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         """Nothing (as `prepare`)."""
+        return False
 
     def result(self) -> TransferReport:
         """The sending agent's report. Raises `Aborted` once cancelled, `ServiceError` with

@@ -57,7 +57,7 @@ class Fallback(Protocol):
 
     def prepare(self) -> None: ...
 
-    def begin(self) -> None: ...
+    def begin(self) -> bool: ...
 
     def result(self) -> TransferReport: ...
 
@@ -111,13 +111,15 @@ class LaneSend:
                 return
         started.prepared.conn.close()
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         """Write what the socket takes of a prepared handoff, without waiting (the engine's
-        thread, as the KV becomes ready); under the lock, so a cancel never closes the
-        connection in the middle of it."""
+        thread, as the KV becomes ready; True if it wrote); under the lock, so a cancel never
+        closes the connection in the middle of it."""
         with self._lock:
-            if self._started is not None and not self.cancelled:
-                self._started.prepared.push()
+            if self._started is None or self.cancelled:
+                return False
+            self._started.prepared.push()
+            return not self._started.prepared.broken
 
     def started(self) -> Started | None:
         """What `prepare` made, taken (once) by the lane's copy."""

@@ -31,8 +31,9 @@ class _Part:
         if self.fail_prepare:
             raise RuntimeError("a bug in the lane")
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
         self.log.append(("begin", self.pages))
+        return True
 
     def result(self) -> TransferReport:
         if self.hold is not None:
