@@ -58,6 +58,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pdserve_kv_recv.argtypes = [_ptr, ctypes.c_char_p, _u64, ctypes.c_int, _u64,
                                     ctypes.c_char_p, _u32, ctypes.c_char_p, _u32, _u64,
                                     ctypes.c_int, ctypes.POINTER(_i64)]
+    lib.pdserve_kv_recv_rest.argtypes = [_ptr, ctypes.c_void_p, _u64, ctypes.c_int, _u64,
+                                         ctypes.c_char_p, _u32, ctypes.c_char_p, _u32, _u64,
+                                         ctypes.c_int, ctypes.POINTER(_i64)]
 
 
 class NativeReceiver:
@@ -154,6 +157,20 @@ class NativeReceiver:
             len(done), lowat, slice_ms, out))
 
 
+    def recv_rest(self, buf: bytearray, fd: int, eager_bytes: int, ready: bytes, done: bytes,
+                  lowat: int, slice_ms: int, out: Any) -> int:
+        """`recv`, the header's first PREFIX_BYTES bytes in `buf` and the rest still on the
+        socket: read here into `buf` first (one call less through the interpreter before the
+        bytes are read). `out[1]` gets the header's length once read whole (a DECLINED one is
+        then in `buf`), 0 when nothing more was read (not a pdserve header, longer than `buf`:
+        DECLINED; the connection failed: BROKEN, TIMED_OUT)."""
+        address = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+        return int(self._lib.pdserve_kv_recv_rest(
+            self._table, address, len(buf), fd, eager_bytes, ready, len(ready), done,
+            len(done), lowat, slice_ms, out))
+
+
 def out_buffer() -> Any:
-    """The one-value buffer `write` reports through (one per connection: no per-call alloc)."""
-    return (_i64 * 1)()
+    """The values `write` and `recv` report through (one per connection: no per-call
+    alloc)."""
+    return (_i64 * 2)()

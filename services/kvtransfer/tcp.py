@@ -65,6 +65,8 @@ log = logging.getLogger("pdserve.kvtransfer.tcp")
 
 
 _READY, _DONE = frame(Reply("ready")), frame(Reply("done"))  # what the native path sends
+# A header the native path reads itself (longer ones, past its 16 runs, are Python's anyway).
+NATIVE_HEADER_BYTES = 4096
 
 
 class TcpTransport(Transport):
@@ -165,19 +167,28 @@ class TcpTransport(Transport):
                 return
         served = self._native if self._server_tls is None else None
         out = native.out_buffer()
+        head = bytearray(NATIVE_HEADER_BYTES)
         with conn:
             try:
                 while True:
                     prefix = recv_bytes(conn, PREFIX_BYTES, None, self._stopping)
-                    raw = prefix + recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
-                                              time.monotonic() + 10.0, self._stopping)
-                    if served is not None:
-                        done = served.recv(raw, conn.fileno(), EAGER_BYTES, _READY, _DONE,
-                                           self._rcvlowat, int(SLICE_S * 1e3), out)
-                        if done != native.DECLINED:
+                    raw = b""
+                    if served is not None:  # the rest of the header, and the handoff, in C
+                        head[:PREFIX_BYTES] = prefix
+                        done = served.recv_rest(head, conn.fileno(), EAGER_BYTES, _READY,
+                                                _DONE, self._rcvlowat, int(SLICE_S * 1e3), out)
+                        raw = bytes(head[:int(out[1])])
+                        if not raw and done == native.TIMED_OUT:
+                            raise TransferTimeout("timed out waiting for the peer")
+                        if not raw and done == native.BROKEN:
+                            return
+                        if raw and done != native.DECLINED:
                             if not self._natively_served(conn, raw, done, int(out[0])):
                                 return
                             continue
+                    if not raw:
+                        raw = prefix + recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
+                                                  time.monotonic() + 10.0, self._stopping)
                     if not self._serve_write(conn, WriteHeader.decode(raw)):
                         return
             except (Closed, OSError, Stopped):

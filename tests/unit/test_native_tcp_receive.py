@@ -4,7 +4,11 @@ land byte-exact straight from the socket, "ready" goes out only above the eager 
 at the end, and the ticket completes in the book; a header that differs from what was armed is
 declined with nothing read; a cancel stops it with the bytes read so far reported (the stream
 can be put back in step); a sender that hangs up or goes quiet past its timeout ends it with
-nothing counted as landed, and the ticket can be written again."""
+nothing counted as landed, and the ticket can be written again. `recv_rest` reads the rest of
+the header itself (the wait for it stays in Python): a handoff whose header arrives in pieces
+lands; a declined header is left whole in the caller's buffer; a prefix that is not a pdserve
+header is declined with nothing more read; a sender gone mid-header ends it with nothing
+read."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from pdserve.common.kv.wire import WriteHeader
+from pdserve.common.kv.wire import PREFIX_BYTES, WriteHeader
 from pdserve.kvtransfer import native
 
 from tests.unit.test_native_receive import KEY, Rig
@@ -130,3 +134,60 @@ def test_a_sender_gone_or_quiet_ends_it_and_the_ticket_can_be_written_again(
     again = rig.book.begin_write(KEY, rig.pool.pool_id, list(range(8)))  # a retry may write it
     rig.book.finish_write(again, True, 8 * rig.fp.page_bytes)
     assert rig.book.status(KEY).complete
+
+
+def _rest(rig: Rig, prefix: bytes, eager: int, buf_bytes: int = 4096) -> tuple[int, bytearray]:
+    buf = bytearray(buf_bytes)
+    buf[:len(prefix)] = prefix
+    done = rig.native.recv_rest(buf, rig.ours.fileno(), eager, READY, DONE, LOWAT, 20, rig.out)
+    return done, buf
+
+
+def test_a_header_arriving_in_pieces_is_read_in_c_and_its_handoff_lands(rig: Rig) -> None:
+    rig.expect([2, 3])
+    header = rig.header(((2, 2),)).encode()
+    rig.theirs.sendall(header[PREFIX_BYTES:PREFIX_BYTES + 5])  # the rest comes later
+    outcome: list[tuple[int, bytearray]] = []
+    receiver = threading.Thread(target=lambda: outcome.append(
+        _rest(rig, header[:PREFIX_BYTES], 1 << 20)))
+    receiver.start()
+    rig.theirs.sendall(header[PREFIX_BYTES + 5:] + _pages(rig, 0, 2))
+    receiver.join(10)
+    assert outcome and outcome[0][0] == native.REPLIED
+    assert int(rig.out[1]) == len(header) and int(rig.out[0]) == 2 * rig.fp.page_bytes
+    assert _read_exactly(rig, len(DONE)) == DONE
+    assert rig.landed(0, 2, 2) and rig.book.status(KEY).complete
+
+
+def test_a_declined_header_is_left_whole_in_the_buffer(rig: Rig) -> None:
+    rig.expect([0, 1])
+    header = rig.header(((0, 1),)).encode()  # armed for two pages
+    rig.theirs.sendall(header[PREFIX_BYTES:] + b"payload")
+    done, buf = _rest(rig, header[:PREFIX_BYTES], 1 << 20)
+    assert done == native.DECLINED and int(rig.out[1]) == len(header)
+    assert bytes(buf[:len(header)]) == header
+    rig.ours.settimeout(5)
+    assert rig.ours.recv(7) == b"payload"  # the bytes left for the Python path
+
+
+@pytest.mark.parametrize("prefix", [b"GET / HTTP/1.1\r\n\r\n"[:PREFIX_BYTES], "long"])
+def test_what_is_not_a_header_it_reads_is_declined_with_nothing_more_read(
+        rig: Rig, prefix: bytes | str) -> None:
+    if prefix == "long":  # a pdserve header longer than the buffer
+        prefix = rig.header(tuple((i, 1) for i in range(0, 40, 2))).encode()[:PREFIX_BYTES]
+    rig.theirs.sendall(b"rest")
+    done, _ = _rest(rig, prefix, 1 << 20, buf_bytes=64)
+    assert done == native.DECLINED and int(rig.out[1]) == 0
+    rig.ours.settimeout(5)
+    assert rig.ours.recv(4) == b"rest"
+
+
+def test_a_sender_gone_mid_header_ends_it_with_nothing_read(rig: Rig) -> None:
+    rig.expect([0])
+    header = rig.header(((0, 1),)).encode()
+    rig.theirs.sendall(header[PREFIX_BYTES:-3])
+    rig.theirs.close()
+    done, _ = _rest(rig, header[:PREFIX_BYTES], 1 << 20)
+    assert done == native.BROKEN and int(rig.out[1]) == 0
+    assert not rig.book.status(KEY).complete
+

@@ -567,3 +567,37 @@ int pdserve_kv_recv(void *table, const uint8_t *hdr, uint64_t hdr_len, int fd, u
     if (result != KV_REPLIED) return result;
     return kv_send_all(fd, done, done_len) == 0 ? KV_REPLIED : KV_SEND_FAILED;
 }
+
+/* pdserve_kv_recv, the header's first KV_PREFIX bytes already read into `buf` (the wait for the
+ * next handoff stays in Python): the rest of the header read here into `buf` (`cap` bytes)
+ * within HEADER_S, then served as pdserve_kv_recv serves it. out[1] gets the header's length
+ * once read whole (Python then serves a DECLINED one from `buf`), 0 when nothing more was
+ * read: a prefix that is not a pdserve header, or a header longer than `cap` (DECLINED; Python
+ * reads and judges it), or the connection failed (BROKEN). */
+#define KV_HEADER_S 10
+int pdserve_kv_recv_rest(void *table, uint8_t *buf, uint64_t cap, int fd, uint64_t eager,
+                         const char *ready, uint32_t ready_len, const char *done,
+                         uint32_t done_len, uint64_t lowat, int slice_ms, int64_t *out) {
+    out[0] = out[1] = 0;
+    if (memcmp(buf, "PDKV", 4) != 0 || buf[4] != KV_VERSION) return KV_DECLINED;
+    uint64_t total = KV_PREFIX + (uint64_t)kv_u32(buf + 8) + 8 * (uint64_t)kv_u32(buf + 12);
+    if (total > cap) return KV_DECLINED;
+    int64_t deadline = kv_now_ns(CLOCK_MONOTONIC) + (int64_t)KV_HEADER_S * 1000000000;
+    for (uint64_t at = KV_PREFIX; at < total;) {
+        if (kv_now_ns(CLOCK_MONOTONIC) >= deadline) return KV_TIMED_OUT;
+        struct pollfd pf = {fd, POLLIN, 0};
+        int k = poll(&pf, 1, slice_ms);
+        if (k < 0 && errno != EINTR) return KV_BROKEN;
+        if (k <= 0) continue;
+        ssize_t m = recv(fd, buf + at, total - at, MSG_DONTWAIT);
+        if (m > 0) at += (uint64_t)m;
+        else if (m == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return KV_BROKEN;
+    }
+    out[1] = (int64_t)total;
+    int result = pdserve_kv_recv(table, buf, total, fd, eager, ready, ready_len, done, done_len,
+                                 lowat, slice_ms, out);
+    out[1] = (int64_t)total;
+    return result;
+}
+
