@@ -201,8 +201,7 @@ class SameHostLane:
         """One handoff over the lane (finishing one `prepare` made ready, which `begin` may have
         started); UseAgent when it cannot take it."""
         begun = s.started()
-        started = begun.prepared.pushed_at if begun and begun.prepared.pushed_at \
-            else time.perf_counter()
+        started = (begun.prepared.pushed_at if begun else 0.0) or time.perf_counter()
         if begun is None:
             failpoints.hit("kv.send", s.ticket.request_id)
             try:

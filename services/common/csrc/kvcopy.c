@@ -502,6 +502,18 @@ int pdserve_kv_write(void *table, const uint8_t *hdr, uint64_t hdr_len, uintptr_
     return kv_reply_done(fd) == 0 ? KV_REPLIED : KV_SEND_FAILED;
 }
 
+/* Read what has arrived on `fd` into `buf` (at most `n` bytes), waiting at most `slice_ms` for
+ * the reader's mark (SO_RCVLOWAT): the bytes read, 0 when none came within the slice, -1 when
+ * the connection closed or failed. */
+static ssize_t kv_recv_slice(int fd, char *buf, uint64_t n, int slice_ms) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    int k = poll(&pf, 1, slice_ms);
+    if (k <= 0) return k < 0 && errno != EINTR ? -1 : 0;
+    ssize_t m = recv(fd, buf, n, MSG_DONTWAIT);
+    if (m > 0) return m;
+    return m == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) ? -1 : 0;
+}
+
 /* Serve one TCP handoff whose encoded WriteHeader (`hdr`) was just read from the data connection
  * `fd`: checked against its armed ticket as a same-host write is; "ready" sent first unless the
  * write is at most `eager` bytes (they follow the header at once); the runs read straight into
@@ -544,18 +556,10 @@ int pdserve_kv_recv(void *table, const uint8_t *hdr, uint64_t hdr_len, int fd, u
                 }
                 mark = want;
             }
-            struct pollfd pf = {fd, POLLIN, 0};
-            int k = poll(&pf, 1, slice_ms);
-            if (k < 0 && errno != EINTR) { result = KV_BROKEN; break; }
-            if (k <= 0) continue;
-            ssize_t m = recv(fd, d + at, n - at, MSG_DONTWAIT);
-            if (m > 0) {
-                at += (uint64_t)m;
-                got += (uint64_t)m;
-            } else if (m == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                result = KV_BROKEN;
-                break;
-            }
+            ssize_t m = kv_recv_slice(fd, d + at, n - at, slice_ms);
+            if (m < 0) { result = KV_BROKEN; break; }
+            at += (uint64_t)m;
+            got += (uint64_t)m;
         }
     }
     if (mark != 1) {  /* the next read on the connection is a header */
@@ -585,16 +589,10 @@ int pdserve_kv_recv_rest(void *table, uint8_t *buf, uint64_t cap, int fd, uint64
     int64_t deadline = kv_now_ns(CLOCK_MONOTONIC) + (int64_t)KV_HEADER_S * 1000000000;
     for (uint64_t at = KV_PREFIX; at < total;) {
         if (kv_now_ns(CLOCK_MONOTONIC) >= deadline) return KV_TIMED_OUT;
-        struct pollfd pf = {fd, POLLIN, 0};
-        int k = poll(&pf, 1, slice_ms);
-        if (k < 0 && errno != EINTR) return KV_BROKEN;
-        if (k <= 0) continue;
-        ssize_t m = recv(fd, buf + at, total - at, MSG_DONTWAIT);
-        if (m > 0) at += (uint64_t)m;
-        else if (m == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-            return KV_BROKEN;
+        ssize_t m = kv_recv_slice(fd, (char *)buf + at, total - at, slice_ms);
+        if (m < 0) return KV_BROKEN;
+        at += (uint64_t)m;
     }
-    out[1] = (int64_t)total;
     int result = pdserve_kv_recv(table, buf, total, fd, eager, ready, ready_len, done, done_len,
                                  lowat, slice_ms, out);
     out[1] = (int64_t)total;

@@ -145,13 +145,12 @@ class TcpSender:
         reusable = False
         try:
             try:
-                if begun is not None:
-                    for piece in begun.rest():
-                        send_all(conn, piece, deadline, liveness, self.write_bytes)
-                else:
-                    send_all(conn, header.encode(), deadline, liveness)
-                if eager and begun is None:  # the bytes right behind the header: one reply
-                    self._send_runs(conn, src_views, deadline, liveness)
+                # eager: the bytes right behind the header, and one reply says how it went
+                pieces: Sequence[bytes | memoryview | np.ndarray] = (
+                    begun.rest() if begun is not None
+                    else [header.encode(), *(src_views if eager else ())])
+                for piece in pieces:
+                    send_all(conn, piece, deadline, liveness, self.write_bytes)
                 ready = None if eager else read_reply(conn, deadline, liveness)
             except (OSError, Closed) as exc:
                 # no reply yet: nothing was acknowledged (typically an idle connection the
