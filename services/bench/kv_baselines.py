@@ -264,6 +264,24 @@ class BoundSamples:
         any variant); zeros when not measured."""
         return _best(self.raw_ms, nbytes, self.warmup)
 
+    def raw_tcp_held_out(self, nbytes: int) -> tuple[float, float]:
+        """(GB/s of raw TCP's best variant chosen on half the repetitions and timed on the
+        other half, both ways round, averaged; GB/s of the variant with the TCP transport's
+        own settings). The best of many variants' medians is also the luckiest: where several
+        run alike (the reader-woken-per-mark ones do) the minimum of their medians sits below
+        what any of them does in a fresh run; held out, the choice cannot pick its own
+        luck."""
+        kept = {name: samples[self.warmup:] for name, samples in self.raw_ms.items()
+                if len(samples) >= self.warmup + 2}
+        if not kept:
+            return 0.0, 0.0
+        held = []
+        for first in (0, 1):
+            chosen = min(kept, key=lambda name: statistics.median(kept[name][first::2]))
+            held.append(gb_s(nbytes, statistics.median(kept[chosen][1 - first::2])))
+        own = kept.get(FIRST)
+        return statistics.fmean(held), gb_s(nbytes, statistics.median(own)) if own else 0.0
+
     def raw_first_ms(self) -> float:
         """Median time of raw TCP's first handoff of a round (0 when not measured)."""
         return median_after_warmup(self.first_ms)

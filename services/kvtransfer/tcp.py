@@ -7,7 +7,8 @@ Runs go out with `send` from pool views and land with `recv_into` into the desti
 no buffer between the socket and either pool.
 A receiver whose ticket is cancelled mid-handoff stops writing at once and reads the rest of
 the bytes into a scratch buffer, so the stream stays in step and the sender learns why; so it
-does with an eager handoff (its bytes right behind the header) that it refuses.
+does with the head of a handoff it refuses (the first MiB, which follows the header before
+"ready"; all of an eager one).
 On plain connections a handoff of a ticket armed for the native path (native.py) is read in
 C once its header is in: the checks, "ready", the runs into the pages and "done" without the
 interpreter; anything it declines is served here.
@@ -44,6 +45,7 @@ from pdserve.common.kv.tcpwire import (
     TcpSender,
     discard,
     frame,
+    head_bytes,
     plain_data_socket,
     recv_bytes,
     recv_into,
@@ -222,14 +224,14 @@ class TcpTransport(Transport):
     def _serve_write(self, conn: socket.socket, header: WriteHeader) -> bool:
         """Run one handoff; False when the connection must close (out of step)."""
         assert self._sink is not None
-        eager = header.kv_bytes <= EAGER_BYTES  # its bytes follow the header at once
+        eager = header.kv_bytes <= EAGER_BYTES  # all its bytes follow the header at once
         deadline = time.monotonic() + receive_deadline_s(header)
         try:
             write = self._sink.accept(header)
         except KvTransferError as exc:
             send_reply(conn, Reply.failure("ready", exc))
-            # eager: its bytes are on their way; read them away so the stream stays in step
-            return not eager or discard(conn, header.kv_bytes, deadline)
+            # its head is on its way: read it away so the stream stays in step
+            return discard(conn, head_bytes(header.kv_bytes), deadline)
         if not eager:
             send_reply(conn, Reply("ready"))
         ok, in_step, received = False, False, 0

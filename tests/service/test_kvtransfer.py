@@ -395,15 +395,18 @@ def test_cancel_returns_only_when_nothing_writes_any_more(pair: Pair) -> None:
         dst.close()
 
 
-def test_refused_eager_handoff_lands_nothing_and_the_next_one_lands(pair: Pair) -> None:
-    """A short handoff goes right behind its header (<= 1 MiB over tcp and over ucx):
-    a refused one's bytes are read away (tcp) or swallowed by receives posted for them (ucx),
-    never land, and leave the connection in step for the next handoff."""
+@pytest.mark.parametrize("num_pages", [512, 1500])
+def test_refused_handoff_lands_nothing_and_the_next_one_lands(pair: Pair, num_pages: int
+                                                              ) -> None:
+    """A short handoff goes right behind its header (<= 1 MiB over tcp and over ucx), and over
+    tcp a longer one's first MiB too, before "ready": a refused one's head is read away (tcp)
+    or swallowed by receives posted for it (ucx), never lands, and leaves the connection in
+    step for the next handoff, which lands whole."""
     src = Pool(pair.sender.stub, "prefill-eager", seed=8, num_pages=BIG_PAGES)
     dst = Pool(pair.receiver.stub, "decode-eager", seed=9, num_pages=BIG_PAGES)
     try:
-        pages = list(range(512))  # 1 MiB: the largest eager handoff on both, above UCX's
-        # rendezvous threshold
+        pages = list(range(num_pages))  # 1 MiB: the largest eager handoff on both, above
+        # UCX's rendezvous threshold; ~2.9 MiB: a head and a rest over tcp
         before = dst.snapshot()
         err = rpc_error(send, pair, new_ticket(), pages, pages, src=src, dst=dst)
         assert err.code() == Code.NOT_FOUND and "unknown ticket" in err.details()

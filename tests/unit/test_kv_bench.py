@@ -107,3 +107,24 @@ def test_every_memcpy_variant_copies_the_bytes() -> None:
     median, fastest = samples.memcpy(nbytes)
     assert 0 < median <= fastest
     assert samples.raw_tcp(nbytes) == (0.0, "", 0.0)  # not measured: no raw TCP
+
+
+def test_the_held_out_bound_does_not_pick_a_variants_luck() -> None:
+    """Two alike variants, each lucky on a different half of the reps: the best of their
+    medians keeps both lucky halves' minimum, the held-out bound times each choice on the
+    half it was not chosen on."""
+    samples = BoundSamples.empty(warmup=0)
+    samples.raw_ms = {name: [] for name in samples.raw_ms}
+    lucky_even, lucky_odd = VARIANTS[0].name, VARIANTS[1].name
+    samples.raw_ms[lucky_even] = [4.0, 6.0] * 5  # ms: fast on even reps, slow on odd ones
+    samples.raw_ms[lucky_odd] = [6.0, 4.0] * 5
+    nbytes = 24 * MIB
+    best, _, _ = samples.raw_tcp(nbytes)
+    held_out, own = samples.raw_tcp_held_out(nbytes)
+    assert best == pytest.approx(nbytes / 5.0 / 1e6)  # the median of 4s and 6s
+    assert held_out == pytest.approx(nbytes / 6.0 / 1e6)  # each choice timed where it is slow
+    assert own == 0.0  # the transport's own variant did not run
+    r = dataclasses.replace(row("tcp", nbytes / 6.0 / 1e6), raw_tcp_held_out_gb_s=held_out,
+                            raw_tcp_own_gb_s=held_out)
+    (line,) = [x for x in cross_host_targets([r]) if "held out" in x]
+    assert "1.00x" in line and "tcp at 1024 tokens" in line

@@ -4,7 +4,9 @@ blocking read would wait for a full mark's worth that never comes), and the mark
 for the next header. A prepared eager handoff: `push` alone puts its header and bytes on the
 wire, `send` then only waits for the reply and the connection is kept for the next one; a push
 on a connection the receiver closed starts over on a fresh one; what cannot go eager is not
-prepared."""
+prepared. A larger handoff writes its first MiB right behind the header and the rest only after
+"ready"; a receiving transport that refuses one reads its head away, so the connection carries
+the next handoff."""
 
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ import struct
 import termios
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from pdserve.common.kv.errors import UnknownTicket
 from pdserve.common.kv.tcpwire import TcpSender, frame, recv_bytes, recv_into
 from pdserve.common.kv.wire import PREFIX_BYTES, Reply, WriteHeader
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
+from pdserve.kvtransfer.tcp import TcpTransport
+from pdserve.kvtransfer.transport import IncomingWrite
 
 FP = LayoutFingerprint("m", "r", "float32", 2, 2, 16, 4)
 
@@ -189,3 +195,80 @@ def test_what_cannot_go_eager_is_not_prepared(receiver):
         assert sender.prepare(f"127.0.0.1:{port}", _header(1), [_pages(1, 7)], 1.0) is None
     finally:
         sender.close()
+
+
+class _Refusing:
+    """A receiving agent, as a TcpTransport sees it: refuses ticket "no", lands the others in
+    `pool`."""
+
+    def __init__(self, pages: int) -> None:
+        self.pool = np.zeros(pages * FP.page_bytes, dtype=np.uint8)
+
+    def accept(self, header: WriteHeader) -> IncomingWrite:
+        if header.ticket.request_id == "no":
+            raise UnknownTicket("unknown ticket no")
+        ((start, n),) = header.dst_runs
+        b = FP.page_bytes
+        return IncomingWrite(header, [self.pool[start * b:(start + n) * b]], threading.Event())
+
+    def finish(self, write: IncomingWrite, ok: bool) -> None:
+        pass
+
+
+def test_a_large_handoff_writes_its_head_before_ready_and_the_rest_after():
+    big = 3 * (1 << 20) // FP.page_bytes  # 3 MiB: a 1 MiB head, then 2 MiB after "ready"
+    data = _pages(big, 8)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender, failures = TcpSender(), []
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+        def send() -> None:
+            try:
+                sender.send(address, _header(big), [data], 10.0)
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                failures.append(exc)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        conn, _ = listener.accept()
+        with conn:
+            prefix = recv_bytes(conn, PREFIX_BYTES, time.monotonic() + 10, None)
+            raw = prefix + recv_bytes(conn, WriteHeader.size(prefix) - PREFIX_BYTES,
+                                      time.monotonic() + 10, None)
+            assert WriteHeader.decode(raw).kv_bytes == len(data)
+            head = recv_bytes(conn, 1 << 20, time.monotonic() + 10, None)  # before "ready"
+            assert head == data[:1 << 20].tobytes()
+            conn.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing more until "ready"
+                conn.recv(1)
+            conn.setblocking(True)
+            conn.sendall(frame(Reply("ready")))
+            rest = recv_bytes(conn, len(data) - (1 << 20), time.monotonic() + 10, None)
+            assert rest == data[1 << 20:].tobytes()
+            conn.sendall(frame(Reply("done")))
+            thread.join(10)
+        sender.close()
+    assert not thread.is_alive() and not failures, failures
+
+
+def test_a_refused_large_handoff_leaves_the_connection_in_step_for_the_next():
+    """The receiver reads a refused handoff's head away: the next handoff on the same
+    connection lands whole (out of step, it would read the head as a header and hang up)."""
+    big = 3 * (1 << 20) // FP.page_bytes
+    sink = _Refusing(big)
+    transport = TcpTransport(host="127.0.0.1")
+    address = transport.start(sink).tcp_address
+    sender = TcpSender()
+    try:
+        data = _pages(big, 9)
+        refused = replace(_header(big), ticket=TicketKey("no", 1))
+        with pytest.raises(UnknownTicket):
+            sender.send(address, refused, [data], 10.0)
+        (conn,) = sender._idle[address]  # kept: the stream is in step
+        assert not sink.pool.any()
+        sender.send(address, _header(big), [data], 10.0)
+        assert np.array_equal(sink.pool, data)
+        assert sender._idle[address] == [conn]  # the same connection carried it
+    finally:
+        sender.close()
+        transport.close()

@@ -186,7 +186,7 @@ int pdserve_gather_rows(void *dst, size_t dst_row, size_t rows, int nsrc, const 
 #define KV_FP_MAX 1024
 #define KV_SPANS_MAX 16
 #define KV_PREFIX 16   /* magic, version, 3 pad, body bytes, runs (wire.py _PREFIX) */
-#define KV_VERSION 3   /* wire.py VERSION */
+#define KV_VERSION 4   /* wire.py VERSION */
 #define KV_FIXED 68    /* xfer_id, ticket epoch, agent epoch, page_bytes, timeout, 7 lengths */
 
 enum { KV_ABSENT = 0, KV_ARMED = 1, KV_WRITING = 2, KV_DONE = 3, KV_ABORTED = 4 };

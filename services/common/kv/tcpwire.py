@@ -2,11 +2,14 @@
 used by an agent's TCP transport (pdserve.kvtransfer.tcp, which also has the receiving half)
 and by a prefill worker's own lane to another host's agent (pdserve.worker.samehost).
 
-A handoff on a connection: header -> reply "ready" -> the runs' bytes back to back -> reply
-"done". A handoff of at most EAGER_BYTES sends its bytes right behind the header, without
-waiting for "ready": one round trip and two wake-ups less on the latency that matters (a short
-prompt's pages); a receiver that refuses it answers the refusal instead of "done" at once and
-then reads the bytes away, so the stream stays in step.
+A handoff on a connection: header and its head -> reply "ready" -> the rest of the runs' bytes
+back to back -> reply "done". The head, the first EAGER_BYTES of the bytes, goes right behind the
+header without waiting for "ready", so the round trip to the receiver overlaps writing it: a
+handoff of at most EAGER_BYTES is all head and gets one reply ("done"), one round trip and two
+wake-ups less on the latency that matters (a short prompt's pages); a larger one writes its
+first MiB while "ready" is on its way (~0.15-0.2 ms of a 24 MiB handoff's ~6 ms across a veth).
+A receiver that refuses a handoff answers the refusal at once and then reads the head away, so
+the stream stays in step; a refused large handoff wastes at most EAGER_BYTES of the link.
 
 Throughput (measured across a veth between two network namespaces on a 2-vCPU VM, where one
 stream is bound by the CPU's copies): a run goes out in writes of `write_bytes` (512 KiB), not
@@ -36,10 +39,11 @@ from pdserve.common.kv.wire import LIVENESS_INTERVAL_S, Liveness, Reply, WriteHe
 SLICE_S = 0.05  # socket timeout between checks of deadlines, aborts and shutdown
 LENGTH = struct.Struct("<I")
 DEFAULT_WRITE_BYTES = 512 << 10  # one send() of a run (see the module docstring)
-# Handoffs up to this size do not wait for "ready" (a refusal wastes the bytes): across a veth a
-# 0.38 MiB page 0.32-0.35 ms against 0.46-0.57 in the agents; SmolLM2's 0.70 MiB page through
-# the request path 1.36 / 1.36 ms against 1.58 / 1.59 at 512 KiB (alternating runs, each host on
-# its own vCPU; docs/kv-transfer.md).
+# The head of every handoff, written before "ready" (a refusal wastes it); handoffs up to this
+# size are all head and do not wait for "ready" at all: across a veth a 0.38 MiB page 0.32-0.35
+# ms against 0.46-0.57 in the agents; SmolLM2's 0.70 MiB page through the request path 1.36 /
+# 1.36 ms against 1.58 / 1.59 at 512 KiB (alternating runs, each host on its own vCPU;
+# docs/kv-transfer.md).
 EAGER_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 # A receiver reading a run asks to be woken once this much has arrived (SO_RCVLOWAT), not at
@@ -50,6 +54,27 @@ HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_RCVLOWAT = 256 << 10
 _SCRATCH_BYTES = 1 << 20
 _MAX_PIECES = 1024  # buffers in one sendmsg (IOV_MAX)
+
+
+def head_bytes(kv_bytes: int) -> int:
+    """How many of a handoff's `kv_bytes` follow its header before "ready": the head."""
+    return min(kv_bytes, EAGER_BYTES)
+
+
+def split_views(views: Sequence[np.ndarray], nbytes: int) -> tuple[list[memoryview],
+                                                                    list[memoryview]]:
+    """`views` as bytes, cut after their first `nbytes`: (before, after)."""
+    before: list[memoryview] = []
+    after: list[memoryview] = []
+    for view in views:
+        data = view.data.cast("B")
+        take = min(nbytes, len(data))
+        if take:
+            before.append(data[:take])
+        if take < len(data):
+            after.append(data[take:])
+        nbytes -= take
+    return before, after
 
 
 class Closed(Exception):
@@ -142,13 +167,13 @@ class TcpSender:
         conn = self._checkout(address, deadline) if begun is None else begun.conn
         attach(conn)
         eager = header.kv_bytes <= EAGER_BYTES
+        head, rest = split_views(src_views, head_bytes(header.kv_bytes))
         reusable = False
         try:
             try:
-                # eager: the bytes right behind the header, and one reply says how it went
-                pieces: Sequence[bytes | memoryview | np.ndarray] = (
-                    begun.rest() if begun is not None
-                    else [header.encode(), *(src_views if eager else ())])
+                # the head right behind the header; eager (all head): one reply says how it went
+                pieces: Sequence[bytes | memoryview] = (
+                    begun.rest() if begun is not None else [header.encode(), *head])
                 for piece in pieces:
                     send_all(conn, piece, deadline, liveness, self.write_bytes)
                 ready = None if eager else read_reply(conn, deadline, liveness)
@@ -162,8 +187,8 @@ class TcpSender:
                 ready.raise_if_error()
                 reusable = False
             try:
-                if not eager:
-                    self._send_runs(conn, src_views, deadline, liveness)
+                for piece in rest:
+                    send_all(conn, piece, deadline, liveness, self.write_bytes)
                 done = read_reply(conn, deadline, liveness)
             except (OSError, Closed) as exc:
                 # eager: still no reply at all, as above (a retry rewrites the same bytes; a
@@ -175,11 +200,6 @@ class TcpSender:
         finally:
             attach(None)
             self._checkin(address, conn, reusable)
-
-    def _send_runs(self, conn: socket.socket, src_views: Sequence[np.ndarray], deadline: float,
-                   liveness: Liveness | None) -> None:
-        for view in src_views:
-            send_all(conn, view, deadline, liveness, self.write_bytes)
 
     def _checkout(self, address: str, deadline: float) -> socket.socket:
         with self._lock:

@@ -38,7 +38,9 @@ from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.tickets import TicketKey
 
 MAGIC = b"PDKV"
-VERSION = 3  # 1: JSON body; 2: TCP waited for "ready" before every handoff's bytes
+# 1: JSON body; 2: TCP waited for "ready" before every handoff's bytes; 3: before any byte of
+# one over 1 MiB (now its first MiB goes right behind the header)
+VERSION = 4
 _PREFIX = struct.Struct("<4sBxxxII")  # magic, version, body bytes, number of runs
 # xfer_id, ticket epoch, destination agent epoch, page_bytes, timeout_ms, then the byte
 # lengths of: request_id, dst_pool_id, fingerprint (JSON), traceparent, sender, reply_to, grant
