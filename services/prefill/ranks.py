@@ -276,6 +276,10 @@ class RankShipments:
         for shipment in self._shipments:
             shipment.cancel()
 
+    def settle(self) -> None:
+        for shipment in self._shipments:
+            shipment.settle()
+
     def _rank(self, rank: int, report: TransferReport) -> RankTransfer:
         """Decode rank `rank`'s part: where its heads came from, how, what it took."""
         packed, p, d = self._packed[rank], self._prefill_tp, len(self._shipments)

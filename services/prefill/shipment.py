@@ -89,6 +89,7 @@ class Shipment:
         self._next: Handoff | None = None  # the last part, made ready by `prepare`
         self._begun_at = 0.0  # when `begin` started it
         self._reports: list[TransferReport] = []
+        self._unsettled: list[Handoff] = []  # parts whose bookkeeping waits for `settle`
         self._busy_s = 0.0  # the parts' durations, summed
         self._last_done = 0.0
         self._error: BaseException | None = None
@@ -210,4 +211,15 @@ class Shipment:
             self._last_done = time.perf_counter()
             self._busy_s += self._last_done - started
             self._reports.append(report)
-        send.settle()
+            self._unsettled.append(send)
+
+    def settle(self) -> None:
+        """The finished parts' bookkeeping (Handoff.settle), left for after the answer: the
+        caller runs it once the Prefill reply is on its way."""
+        with self._lock:
+            sends, self._unsettled = self._unsettled, []
+        for send in sends:
+            try:
+                send.settle()
+            except Exception:  # bookkeeping only: never the request's outcome
+                log.exception("settling a finished KV handoff part")

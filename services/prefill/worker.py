@@ -132,7 +132,10 @@ class PrefillWorker:
                 self.metrics.pages_not_sent.inc(skipped)
                 self.metrics.bytes_not_sent.inc(skipped * self.engine.pool.page_bytes)
             return PrefillResult(out.token or 0, out.finish_reason, queue_ms, out.prefill_ms,
-                                 report, out.cached_tokens)
+                                 report, out.cached_tokens, after_reply=shipment.settle)
+        except BaseException:
+            shipment.settle()  # no answer to wait for
+            raise
         finally:
             shipment.cancel()  # no-op once finished; stops parts of a failed or ended request
             self._forget(rid)

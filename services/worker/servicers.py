@@ -117,6 +117,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                  "kv_transfer_total_ms": t.total_ms, "kv_bytes": t.kv_bytes,
                                  "kv_pages": t.kv_pages, "kv_transport": t.transport,
                                  "cached_tokens": result.cached_tokens})
+        if result.after_reply is not None and not context.add_callback(result.after_reply):
+            result.after_reply()  # the call has ended already
         return prefill_pb2.PrefillResponse(first_token=result.first_token,
                                            queue_ms=result.queue_ms, prefill_ms=result.prefill_ms,
                                            transfer=wire.report_to_pb(result.transfer),

@@ -3,7 +3,8 @@ form to these and back (convert.py); the workers never see protobuf."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.common.handoff import Destination, TransferReport
 from pdserve.common.layout import LayoutFingerprint
@@ -28,6 +29,10 @@ class PrefillResult:
     prefill_ms: float
     transfer: TransferReport
     cached_tokens: int = 0  # leading prompt tokens this worker's prefix cache supplied
+    # Bookkeeping that is no part of the answer (the lane's notes to this host's agent), for
+    # the servicer to run once the answer is on its way: on a VM's vCPU each note wakes the
+    # agent ahead of the reply (~0.3 ms of TTFT). None: nothing.
+    after_reply: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

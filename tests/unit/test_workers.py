@@ -153,6 +153,10 @@ def test_prefill_then_decode_is_token_exact_and_frees_every_page(pair, reference
         assert result.transfer.kv_pages == num_pages  # every page, in one part per chunk
         assert agents.parts[reservation.ticket] == min(-(-len(ids) // 32), num_pages)
         assert result.transfer.total_ms > 0 and result.transfer.handoff_ms > 0
+        settled = agents.settled
+        assert result.after_reply is not None  # the parts' bookkeeping waits for the answer
+        result.after_reply()
+        assert agents.settled == settled + agents.parts[reservation.ticket]
         events = list(decode.decode(DecodeRequest(reservation.ticket, ids, result.first_token,
                                                   GREEDY)))
         tokens = [result.first_token] + [t for ev in events for t in ev.token_ids]
