@@ -74,7 +74,7 @@ VARIANTS = tuple(Variant(f"{'fixed' if fixed else 'auto'}/{_size_name}/"
 _BY_NAME = {v.name: v for v in VARIANTS}
 
 
-FIRST = "auto/512K/shm/lowat256K"  # the TCP transport's settings, for `BoundSamples.first_ms`
+FIRST = "auto/512K/shm/lowat256K"  # the TCP transport's settings: `first_ms`, `raw_tcp_held_out`
 
 
 def _set_buffers(sock: socket.socket, nbytes: int) -> None:

@@ -167,7 +167,9 @@ class TcpSender:
         conn = self._checkout(address, deadline) if begun is None else begun.conn
         attach(conn)
         eager = header.kv_bytes <= EAGER_BYTES
-        head, rest = split_views(src_views, head_bytes(header.kv_bytes))
+        # a prepared handoff is eager: all of it is in `begun`, nothing follows "ready"
+        head, rest = ([], []) if begun is not None else \
+            split_views(src_views, head_bytes(header.kv_bytes))
         reusable = False
         try:
             try:
