@@ -52,12 +52,17 @@ if TYPE_CHECKING:
 
 CONFIGS = (Deployment("colocated", 0, 1), Deployment("disaggregated", 1, 1))
 CALIBRATION_REQUESTS = 8
-CALIBRATION_SEED = 1000  # added to the workload's seed
+# Added to the workload's seed: each run before the measured one draws prompts of its own. A
+# prompt sent twice is a prefix-cache hit the second time (prefilled on the decode worker, no
+# handoff): with one seed for all three, 16 of the 50 sampled requests were.
+CALIBRATION_SEED = 1000
+CPU_SEED = 2000
+CORES_SEED = 3000
 # The router's and the client's CPU per token is measured with this many requests in flight:
 # one at a time, the router's fixed background work (health checks, Stats) over a slow run
 # doubled it (1.0 ms per token against ~0.5)
 CPU_CONCURRENCY = 8
-# Requests (at the validated rate, seed + CALIBRATION_SEED) during which where the router,
+# Requests (at the validated rate, seed + CORES_SEED) during which where the router,
 # the agents and the client run, and how much, is sampled (`pdserve.plan.cores`)
 SHARED_REQUESTS = 50
 TARGET_ERROR = 0.2
@@ -241,14 +246,14 @@ class StackRunner:
                 "--seed", str(self.workload.seed + CALIBRATION_SEED)])
             busy = self._bench(target, f"{name}-cpu", [
                 "--concurrency", str(CPU_CONCURRENCY), "--num-requests",
-                str(2 * CPU_CONCURRENCY), "--seed", str(self.workload.seed + CALIBRATION_SEED),
+                str(2 * CPU_CONCURRENCY), "--seed", str(self.workload.seed + CPU_SEED),
                 "--server-cpu", target])
             # where the processes beside the workers run depends on how busy each worker's
             # core is (the scheduler puts them on whichever core is free): sampled at the rate
             shared = self._bench(target, f"{name}-cores", [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
                 "--num-requests", str(min(self.count, SHARED_REQUESTS)),
-                "--seed", str(self.workload.seed + CALIBRATION_SEED)], sample=stack_pid)
+                "--seed", str(self.workload.seed + CORES_SEED)], sample=stack_pid)
             alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token, shared=shared.shared)
             loaded = self._bench(target, name, [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",

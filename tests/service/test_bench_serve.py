@@ -64,6 +64,8 @@ def test_bench_serve_measures_a_pdserve_router(stack, tiny_model_dir, tmp_path):
     assert all(r["output_tokens"] == r["max_tokens"] and 4 <= r["max_tokens"] <= 8
                and 8 <= r["prompt_tokens"] <= 40 for r in records)
     assert summary["output_tokens"] == sum(r["output_tokens"] for r in records)
+    # the two warm-up requests sent prompts of their own: none of these is a cache hit
+    assert [r["cached_tokens"] for r in records] == [0] * 8
     for r in records:
         assert len(r["itl_ms"]) >= 1 and r["ttft_ms"] <= r["e2e_ms"]
         parts = r["components"]

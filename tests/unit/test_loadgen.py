@@ -3,6 +3,7 @@ rate at 90% attainment, seeded workloads of exact token counts, and arrival proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -10,6 +11,7 @@ import statistics
 import pytest
 from pdserve.bench.loadgen import sessions
 from pdserve.bench.loadgen.arrivals import Arrivals
+from pdserve.bench.loadgen.interleave import measure
 from pdserve.bench.loadgen.runner import Plan, run
 from pdserve.bench.loadgen.stats import RequestRecord, Slo, max_rate_at, percentile, summarize
 from pdserve.bench.loadgen.targets import Target
@@ -147,6 +149,26 @@ class _Echo(Target):
         record.output_ids = [900 + len(self.prompts)] * max_tokens
         record.output_tokens = max_tokens
         record.cached_tokens = record.reusable_tokens
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_warm_up_prompts_are_not_the_measured_ones(rounds):
+    # A warm-up that sent the first measured prompts put them in the server's prefix cache:
+    # those requests then measured a cache hit. Same lengths, none of the same prompts.
+    plan = Plan(shapes("fixed:64,2", 6, seed=3), Vocabulary(5000, frozenset()),
+                Arrivals(concurrency=1), seed=3, warmup=2)
+    echo = _Echo()
+    if rounds:
+        measure([echo], plan, rounds=rounds)
+    else:
+        run(echo, plan, progress=False)
+    warm, measured = echo.prompts[:2], echo.prompts[2:]
+    assert len(measured) == 6 and all(len(p) == 64 for p in echo.prompts)
+    assert not [p for p in warm if p in measured]
+    if rounds <= 1:  # and the measured prompts are the seed's, warm-up or not
+        again = _Echo()
+        run(again, dataclasses.replace(plan, warmup=0), progress=False)
+        assert again.prompts == measured
 
 
 @pytest.mark.parametrize("text, message", [("prefix:1,2", "3 or 4 numbers"),

@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                           "listed by /v1/models)")
     p.add_argument("--workload", default="fixed:256,128", help=WORKLOAD_HELP)
     p.add_argument("--num-requests", type=int, default=100, help="measured requests (default 100)")
-    p.add_argument("--warmup", type=int, default=2, help="unrecorded requests first (default 2)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="unrecorded requests first, of the workload's lengths but prompts of "
+                   "their own (none of the measured prompts is cached by them; default 2)")
     p.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
     p.add_argument("--rate", type=float, help="open loop: requests per second")
     p.add_argument("--burstiness", type=float, default=1.0,
