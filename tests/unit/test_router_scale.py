@@ -112,6 +112,28 @@ def test_a_suspected_worker_is_not_drawn_until_its_check_answers():
         pool.close()
 
 
+def test_the_context_served_is_kept_between_changes_and_found_again_after_one():
+    from pdserve.router.pool import WorkerPool
+    from pdserve.v1 import common_pb2
+
+    addresses = [f"127.0.0.1:{p}" for p in range(1, 201)]  # nothing listens there
+    pool = WorkerPool(decode=addresses, timeout_s=1.0)
+    try:
+        assert pool.max_model_len() is None  # nobody has reported it yet
+        workers = [pool._workers[("decode", a)] for a in addresses]
+        for i, worker in enumerate(workers):
+            worker.healthy = True
+            worker.stats = common_pb2.WorkerStats(max_model_len=4096 - i)
+        pool._changed()  # (set behind the pool's back above)
+        assert pool.max_model_len() == 4096 - 199
+        workers[-1].stats = common_pb2.WorkerStats(max_model_len=10)
+        assert pool.max_model_len() == 4096 - 199  # kept: no change the pool saw
+        pool.check_now([workers[-1]])  # its check: refused, so it no longer counts
+        assert pool.max_model_len() == 4096 - 198
+    finally:
+        pool.close()
+
+
 class _EndedStream:
     def __iter__(self):
         return iter(())
