@@ -57,19 +57,38 @@ def descendants(roots: Iterable[int], proc: Path = PROC) -> list[int]:
     return out
 
 
-def _task_sample(task: Path) -> tuple[int, int] | None:
-    """(ns run so far, the core it last ran on) of one thread."""
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        ns = int((task / "schedstat").read_text().split()[0])
-        core = int((task / "stat").read_text().rsplit(")", 1)[1].split()[36])
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def _task_ns(task: str) -> int | None:
+    """CPU ns one thread (`/proc/PID/task/TID`) has run so far."""
+    try:
+        return int(_read(f"{task}/schedstat").split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return ns, core
+
+
+def _task_core(task: str) -> int | None:
+    """The core one thread last ran on."""
+    try:
+        return int(_read(f"{task}/stat").rsplit(b")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class CoreSampler:
     """While entered: per process (the `roots` and their descendants, found again every
-    `rescan_s`), its threads' CPU seconds per core. `cpu_s[pid][core]`."""
+    `rescan_s`), its threads' CPU seconds per core. `cpu_s[pid][core]`.
+
+    Worker processes are found (`roles`, `cores`) but not sampled: they run on their own
+    cores, and only the others' CPU is charged. A thread's core is read only when it ran since
+    the last sample. Sampling a 1P+1D stack's 81 threads every 20 ms took 0.12 of a core before
+    both (on a 2-core machine, while the run it measures needs the cores)."""
 
     def __init__(self, roots: Iterable[int], period_s: float = 0.02, rescan_s: float = 0.5,
                  proc: Path = PROC):
@@ -121,19 +140,26 @@ class CoreSampler:
 
     def sample(self, pids: Iterable[int]) -> None:
         for pid in pids:
+            if self.roles.get(pid) is not None:
+                continue  # a worker: its own CPU is not charged
+            tasks_dir = f"{self.proc}/{pid}/task"
             try:
-                tasks = list((self.proc / str(pid) / "task").iterdir())
+                tids = os.listdir(tasks_dir)
             except OSError:
                 continue
-            for task in tasks:
-                got = _task_sample(task)
-                if got is None:
+            for tid in tids:
+                task = f"{tasks_dir}/{tid}"
+                ns = _task_ns(task)
+                if ns is None:
                     continue
-                ns, core = got
-                key = (pid, task.name)
-                if key in self._last:
-                    self.cpu_s[pid][core] += max(0, ns - self._last[key]) / 1e9
+                key = (pid, tid)
+                last = self._last.get(key)
                 self._last[key] = ns
+                if last is None or ns <= last:
+                    continue
+                core = _task_core(task)
+                if core is not None:
+                    self.cpu_s[pid][core] += (ns - last) / 1e9
 
 
 def shared_by_worker(cpu_s: dict[int, dict[int, float]], roles: dict[int, str | None],

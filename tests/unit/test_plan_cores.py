@@ -33,12 +33,16 @@ def test_others_cpu_is_charged_to_the_cores_each_worker_may_run_on():
 def test_the_sampler_sees_a_childs_cpu_on_the_cores_it_ran_on():
     code = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass\n"
     child = subprocess.Popen([sys.executable, "-c", code])
+    # a worker (by its command line) is found but not sampled: only the others' CPU counts
+    worker = subprocess.Popen([sys.executable, "-c", code, "pdserve.decode.main"])
     try:
         assert child.pid in descendants([os.getpid()])
         with CoreSampler([os.getpid()], period_s=0.01, rescan_s=0.05) as sampler:
             time.sleep(0.4)  # sampling, not synchronisation
     finally:
         child.wait()
+        worker.wait()
+    assert sampler.roles[worker.pid] == "decode" and worker.pid not in sampler.cpu_s
     busy = sum(sampler.cpu_s[child.pid].values())
     assert 0 < busy < 0.5  # at most the 0.4 s sampled, less on a busy machine
     assert set(sampler.cpu_s[child.pid]) <= set(os.sched_getaffinity(child.pid)
