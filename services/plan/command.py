@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -95,7 +96,10 @@ class PlanConfig:
                                     "--profile, the one profiled first)")
     validate_rate: float = option(0.0, "--validate: request rate (0: half the lower predicted "
                                        "goodput of the two configurations)")
-    validate_requests: int = option(100, "--validate: requests per configuration")
+    validate_requests: int = option(100, "--validate: requests per measured run")
+    validate_repeats: int = option(3, "--validate: measured runs per configuration, each of "
+                                      "its own requests; their medians are compared (one "
+                                      "run's p50 moves 10-30% on a shared machine)")
     signals: bool = option(False, "also print the autoscaling signals (the HPA's metrics) of "
                                   "the best configuration at 0.25x to 1.5x its goodput, beside "
                                   "the HPA's thresholds (--json: 'signals')")
@@ -200,24 +204,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _validate(cfg: PlanConfig, workload: Workload, slo: Slo, profiles: Profiles | None) -> int:
-    from pdserve.plan import validate
+    from pdserve.plan import stacks, validate
 
+    logs = stacks.log_dir()
     try:
         if profiles is None:  # each kind profiled with the cores pdserve up will give it
-            profiles = validate.measure_profiles(cfg.model, cfg.progress)
+            profiles = stacks.measure_profiles(cfg.model, cfg.progress)
         rate = cfg.validate_rate or 0.5 * min(
             find_goodput(dep, workload, profiles, slo).rate for dep in validate.CONFIGS)
         if not rate > 0:
             raise ValueError("no rate meets the SLOs in the plan: give --validate-rate")
-        runner = validate.StackRunner(cfg.model, workload, cfg.validate_requests,
-                                      validate.log_dir())
+        runner = stacks.StackRunner(cfg.model, workload, cfg.validate_requests, logs,
+                                    repeats=cfg.validate_repeats)
         rows = validate.validate(validate.CONFIGS, workload, profiles, rate,
-                                 cfg.validate_requests, runner, validate.machine_cores())
+                                 cfg.validate_requests, runner, stacks.machine_cores(),
+                                 repeats=cfg.validate_repeats)
     except (ValueError, RuntimeError, OSError) as exc:
-        print(f"pdserve plan --validate: {exc}", file=sys.stderr)
+        print(f"pdserve plan --validate: {exc}\n(the runs' logs: {logs})", file=sys.stderr)
         return 1
-    print(f"pdserve plan --validate: {workload.describe()}, {cfg.validate_requests} requests "
-          f"per configuration at {rate:.2f} req/s, model {cfg.model}")
+    shutil.rmtree(logs, ignore_errors=True)
+    print(f"pdserve plan --validate: {workload.describe()}, {cfg.validate_repeats} x "
+          f"{cfg.validate_requests} requests per configuration at {rate:.2f} req/s, model "
+          f"{cfg.model}")
     print(validate.table(rows))
     if cfg.json:
         Path(cfg.json).write_text(json.dumps({

@@ -1,7 +1,8 @@
 """`pdserve plan --validate`: the plan's predictions set against real stacks on this machine.
 
 For each configuration (co-located x1 and 1 prefill + 1 decode, the two this machine can
-run), `pdserve up` runs it for real and `pdserve bench serve` sends it these runs:
+run), `pdserve up` runs it for real and `pdserve bench serve` sends it these runs
+(`pdserve.plan.stacks`), each with prompts of its own:
 
 1. calibration: `CALIBRATION_REQUESTS` requests one at a time (seed + 1000). What a serving
    stack adds to the engine's own times at no load (router, RPCs, streaming, the worker's loop)
@@ -14,9 +15,9 @@ run), `pdserve up` runs it for real and `pdserve bench serve` sends it these run
    the processes beside the workers (router, agents, client) took from each worker's cores
    per output token: on this machine that comes out of the workers' cores, and from which
    worker's depends on the load (`SimProfile.contention`, per kind of worker);
-2. the measured run: `count` requests of the workload at `rate` (same spec, seed, rate and
-   count as the prediction, so the same lengths and arrival times), predicted with those
-   overheads.
+2. the measured runs: `count` requests of the workload at `rate`, once per `repeat_seeds`
+   (same spec, seed, rate and count as each prediction, so the same lengths and arrival
+   times), predicted with those overheads; the medians of the runs' percentiles are compared.
 
 Reported side by side per configuration: TTFT and TPOT p50 (and p99), with the relative error
 of each prediction (the target: p50 within 20%), and the overheads found (put them in the
@@ -29,26 +30,14 @@ profiled with the threads it will have (the command measures them when no profil
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import predict
-from pdserve.plan.workload import Workload, parse_arrivals
+from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
-
-if TYPE_CHECKING:
-    from pdserve.plan.cores import CoreSampler
 
 CONFIGS = (Deployment("colocated", 0, 1), Deployment("disaggregated", 1, 1))
 CALIBRATION_REQUESTS = 8
@@ -58,6 +47,7 @@ CALIBRATION_REQUESTS = 8
 CALIBRATION_SEED = 1000
 CPU_SEED = 2000
 CORES_SEED = 3000
+REPEAT_SEED = 4000  # the measured runs after the first: seed + REPEAT_SEED + r
 # The router's and the client's CPU per token is measured with this many requests in flight:
 # one at a time, the router's fixed background work (health checks, Stats) over a slow run
 # doubled it (1.0 ms per token against ~0.5)
@@ -67,7 +57,6 @@ CPU_CONCURRENCY = 8
 SHARED_REQUESTS = 50
 TARGET_ERROR = 0.2
 IDLE_RATE = 1e-3  # req/s: requests 1,000 s apart, each alone
-PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +72,32 @@ class Latencies:
     prefill_p50_ms: float | None = None  # the prefill worker's own time (server-side)
 
 
-# A configuration run for real: (its calibration, its run at the rate)
-Runner = Callable[[Deployment, float], tuple[Latencies, Latencies]]
+# A configuration run for real: (its calibration, its runs at the rate, one per seed)
+Runner = Callable[[Deployment, float], tuple[Latencies, list[Latencies]]]
+
+
+def repeat_seeds(seed: int, repeats: int) -> list[int]:
+    """The measured runs' seeds: the plan's own first, then seeds no other run draws (a prompt
+    sent again would be a prefix-cache hit)."""
+    return [seed] + [seed + REPEAT_SEED + r for r in range(1, repeats)]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
+def _medians(runs: Sequence[Latencies]) -> Latencies:
+    """Each latency the median over `runs` (the first run's CPU figures)."""
+    def median(key: str) -> float | None:
+        return _median([getattr(r, key) for r in runs])
+
+    return replace(runs[0], ttft_p50_ms=median("ttft_p50_ms"), tpot_p50_ms=median("tpot_p50_ms"),
+                   ttft_p99_ms=median("ttft_p99_ms"), tpot_p99_ms=median("tpot_p99_ms"),
+                   prefill_p50_ms=median("prefill_p50_ms"))
 
 
 def _error(predicted: float | None, measured: float | None) -> float | None:
@@ -170,25 +183,40 @@ def _charge_shared(dep: Deployment, profiles: Profiles,
 
 
 def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profiles, rate: float,
-             count: int, run: Runner, shared_cores: float = 0.0) -> list[dict[str, object]]:
+             count: int, run: Runner, shared_cores: float = 0.0, repeats: int = 1
+             ) -> list[dict[str, object]]:
     """Per configuration: `{config, rate, requests, predicted, measured, error,
-    within_target, calibration}`."""
+    within_target, calibration, runs}`. With `repeats` > 1 the workload is run (and predicted)
+    once per `repeat_seeds`, and the medians of the runs' percentiles are set side by side:
+    one run's p50 moves by 10-30% on a shared machine (`runs` holds each)."""
+    seeds = repeat_seeds(workload.seed, repeats)
     out: list[dict[str, object]] = []
     for dep in configs:
-        alone, measured = run(dep, rate)
+        alone, measured_runs = run(dep, rate)
+        if len(measured_runs) != len(seeds):
+            raise ValueError(f"{dep.name}: {len(measured_runs)} measured runs for "
+                             f"{len(seeds)} seeds")
         calibrated, overheads = calibrate(dep, workload, profiles, alone, shared_cores)
-        point = predict(dep, workload, calibrated, rate, count=count)
-        predicted = Latencies(point.ttft_p50_ms, point.tpot_p50_ms, point.ttft_p99_ms,
-                              point.tpot_p99_ms)
+        predicted_runs = []
+        for seed in seeds:
+            point = predict(dep, replace(workload, seed=seed), calibrated, rate, count=count)
+            predicted_runs.append(Latencies(point.ttft_p50_ms, point.tpot_p50_ms,
+                                            point.ttft_p99_ms, point.tpot_p99_ms))
+        predicted, measured = _medians(predicted_runs), _medians(measured_runs)
         errors = {"ttft_p50": _error(predicted.ttft_p50_ms, measured.ttft_p50_ms),
                   "tpot_p50": _error(predicted.tpot_p50_ms, measured.tpot_p50_ms)}
+        runs = [{"seed": seed, "predicted": {"ttft_p50_ms": p.ttft_p50_ms,
+                                             "tpot_p50_ms": p.tpot_p50_ms},
+                 "measured": {"ttft_p50_ms": m.ttft_p50_ms, "tpot_p50_ms": m.tpot_p50_ms}}
+                for seed, p, m in zip(seeds, predicted_runs, measured_runs)]
         out.append({"config": dep.name, "deployment": asdict(dep), "rate": rate,
                     "requests": count, "predicted": asdict(predicted),
                     "measured": asdict(measured), "error": errors,
                     "within_target": all(e is not None and abs(e) <= TARGET_ERROR
                                          for e in errors.values()),
                     "calibration": {"requests": CALIBRATION_REQUESTS, "measured": asdict(alone),
-                                    **overheads}})
+                                    **overheads},
+                    "runs": runs})
     return out
 
 
@@ -209,6 +237,13 @@ def table(rows: Sequence[dict[str, object]]) -> str:
                      f"{cell(row, 'ttft_p50_ms'):>22}  {cell(row, 'tpot_p50_ms'):>22}  "
                      f"{'yes' if row['within_target'] else 'no'}")
     for row in rows:
+        runs = cast(list[dict[str, dict[str, float | None]]], row.get("runs") or [])
+        if len(runs) > 1:
+            lines.append(f"{row['config']}: {len(runs)} runs, " + "; ".join(
+                f"{name} p50 measured {_span([r['measured'][key] for r in runs])} ms, "
+                f"predicted {_span([r['predicted'][key] for r in runs])}"
+                for name, key in (("TTFT", "ttft_p50_ms"), ("TPOT", "tpot_p50_ms"))))
+    for row in rows:
         cal = cast(dict[str, float], row["calibration"])
         shared = f", router + client CPU {cal['shared_cpu_ms_per_token']:.2f} ms per token " \
             f"on {cal['shared_cores']:g} shared cores" if "shared_cores" in cal else ""
@@ -224,151 +259,6 @@ def table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-class StackRunner:
-    """`pdserve up` for a configuration, `pdserve bench serve` against it, then stop it."""
-
-    def __init__(self, model: str, workload: Workload, count: int, log_dir: Path,
-                 ready_s: float = 300.0):
-        shape = parse_arrivals(workload.arrivals)
-        if shape == 0:
-            raise ValueError("pdserve bench serve has no constant arrivals; use "
-                             "--arrivals poisson or gamma:SHAPE")
-        self.model, self.workload, self.count = model, workload, count
-        self.burstiness = shape
-        self.log_dir = log_dir
-        self.ready_s = ready_s
-
-    def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
-        name = dep.name.replace(" ", "-")
-        with self._stack(dep, name) as (target, stack_pid):
-            alone = self._bench(target, f"{name}-calibration", [
-                "--concurrency", "1", "--num-requests", str(CALIBRATION_REQUESTS),
-                "--seed", str(self.workload.seed + CALIBRATION_SEED)])
-            busy = self._bench(target, f"{name}-cpu", [
-                "--concurrency", str(CPU_CONCURRENCY), "--num-requests",
-                str(2 * CPU_CONCURRENCY), "--seed", str(self.workload.seed + CPU_SEED),
-                "--server-cpu", target])
-            # where the processes beside the workers run depends on how busy each worker's
-            # core is (the scheduler puts them on whichever core is free): sampled at the rate
-            shared = self._bench(target, f"{name}-cores", [
-                "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
-                "--num-requests", str(min(self.count, SHARED_REQUESTS)),
-                "--seed", str(self.workload.seed + CORES_SEED)], sample=stack_pid)
-            alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token, shared=shared.shared)
-            loaded = self._bench(target, name, [
-                "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
-                "--num-requests", str(self.count), "--seed", str(self.workload.seed)])
-        return alone, loaded
-
-    def _bench(self, target: str, name: str, flags: list[str],
-               sample: int | None = None) -> Latencies:
-        """One `pdserve bench serve` run; with `sample` (the stack's `pdserve up` pid), where
-        the stack's processes and the client ran meanwhile (`Latencies.shared`)."""
-        from pdserve.plan.cores import CoreSampler
-
-        out = self.log_dir / f"bench-{name}.json"
-        cmd = [*PDSERVE, "bench", "serve", "--target", target, "--model", self.model,
-               "--workload", self.workload.spec, "--json", str(out), *flags]
-        with (self.log_dir / f"bench-{name}.log").open("w+") as log, \
-                CoreSampler([sample] if sample else []) as sampler:
-            client = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-            if sample:
-                sampler.add(client.pid)
-            code = client.wait(timeout=3600)
-            if code != 0:
-                log.seek(0)
-                raise RuntimeError(f"bench serve ({name}) failed:\n{log.read()[-4000:]}")
-        summary = json.loads(out.read_text())["runs"][0]["summary"]
-        ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
-        cpu = [summary.get(k) for k in ("server_cpu_ms_per_token", "client_cpu_ms_per_token")]
-        shared = _shared(sampler, client.pid, summary) if sample else None
-        prefill = summary.get("components_ms", {}).get("prefill_ms", {}).get("p50")
-        return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"],
-                         sum(c for c in cpu if c is not None) if any(cpu) else None, shared,
-                         prefill or None)
-
-    @contextmanager
-    def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int]]:
-        from pdserve.bench.loadgen.procs import free_port_block, stop_group
-
-        base = free_port_block(50)
-        cmd = [*PDSERVE, "up", "--model", self.model, "--no-demo", "--http-port", str(base),
-               "--port", str(base + 1), "--metrics-port", "-1", "--prefill-port",
-               str(base + 10), "--decode-port", str(base + 20), "--agent-port", str(base + 30),
-               "--colocated-port", str(base + 40)]
-        cmd += ["--colocated"] if dep.mode == "colocated" else \
-            ["--prefill", str(dep.num_prefill), "--decode", str(dep.num_decode)]
-        env = {**os.environ, "PDSERVE_COLOCATED_CHUNK_SIZE": str(dep.chunk_size),
-               "PDSERVE_PREFILL_CHUNK_SIZE": str(dep.chunk_size),
-               "PDSERVE_DECODE_CHUNK_SIZE": str(dep.decode_chunk_size),
-               "PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS": str(dep.remote_prefill_min_tokens)}
-        log = self.log_dir / f"up-{name}.log"
-        with log.open("wb") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        try:
-            _wait_ready(f"http://127.0.0.1:{base}/health", proc, self.ready_s, log)
-            yield f"127.0.0.1:{base + 1}", proc.pid
-        finally:
-            stop_group(proc)
-
-
-def _shared(sampler: CoreSampler, client: int, summary: dict[str, object]
-            ) -> dict[str, list[float]]:
-    """Per worker role, the CPU per output token the other processes spent on its cores. The
-    client's own CPU during the run (its start-up excluded) is the bench's
-    `client_cpu_ms_per_token`, split over the cores as the sampler saw it run."""
-    from pdserve.plan.cores import shared_by_worker
-
-    tokens = int(cast(int, summary.get("output_tokens") or 0))
-    cpu_s = {pid: dict(per_core) for pid, per_core in sampler.cpu_s.items()}
-    seen = sum(cpu_s.get(client, {}).values())
-    per_token = cast(float | None, summary.get("client_cpu_ms_per_token"))
-    if seen > 0 and per_token is not None:
-        scale = per_token * tokens / 1e3 / seen
-        cpu_s[client] = {core: s * scale for core, s in cpu_s[client].items()}
-    found = shared_by_worker(cpu_s, sampler.roles, sampler.cores, tokens)
-    return {role: [ms, cores] for role, (ms, cores) in found.items()}
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited ({proc.returncode}) before it was ready:\n"
-                               + log.read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)  # polling a starting server's health, not synchronisation
-    raise RuntimeError(f"{url} not ready within {timeout_s:.0f} s; log: {log}")
-
-
-def measure_profiles(model: str, progress: bool) -> Profiles:
-    """The model profiled with every core (a co-located worker) and with half of them (each
-    worker of `pdserve up`'s disaggregated mode)."""
-    from pdserve.common.config import parse_config
-    from pdserve.common.cpus import cpu_allowance
-    from pdserve.plan.measure import ProfileConfig, measure
-
-    cores = cpu_allowance()
-    whole, _ = measure(parse_config(ProfileConfig, "profile", ["--model", model, "--threads",
-                                                                str(cores)]), progress)
-    half = whole if cores == 1 else measure(parse_config(
-        ProfileConfig, "profile", ["--model", model, "--threads", str(max(1, cores // 2))]),
-        progress)[0]
-    return Profiles(whole, half, half)
-
-
-def machine_cores() -> float:
-    """The cores this process may use (the stacks' workers, router and client share them)."""
-    from pdserve.common.cpus import cpu_allowance
-
-    return float(cpu_allowance())
-
-
-def log_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="pdserve-plan-validate-"))
+def _span(values: Sequence[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{min(known):.1f}-{max(known):.1f}" if known else "-"

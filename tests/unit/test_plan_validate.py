@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from pdserve.plan import command, validate
+from pdserve.plan import command, stacks, validate
 from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import predict
 from pdserve.plan.validate import Latencies
@@ -26,9 +26,9 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
     w = Workload("fixed:300,10", num_requests=1000)
     seen: list[tuple[str, float]] = []
 
-    def fake(dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
+    def fake(dep: Deployment, rate: float) -> tuple[Latencies, list[Latencies]]:
         seen.append((dep.name, rate))
-        return Latencies(None, None), Latencies(40.0, 6.0)  # no calibration: no overheads
+        return Latencies(None, None), [Latencies(40.0, 6.0)]  # no calibration: no overheads
 
     rows = validate.validate(validate.CONFIGS, w, Profiles(PROFILE), 2.0, 30, fake)
     assert seen == [("colocated x1 chunk 512", 2.0), ("1P+1D chunk 512", 2.0)]
@@ -48,42 +48,78 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
     assert "colocated x1 chunk 512" in text and "(-20%)" in text
 
 
+def test_repeated_runs_are_each_predicted_and_their_medians_compared():
+    w = Workload("fixed:300,10", num_requests=1000, seed=5)
+    measured = [Latencies(40.0, 6.0), Latencies(400.0, 60.0), Latencies(30.0, 5.0)]
+    dep = Deployment("colocated", 0, 1)
+    (row,) = validate.validate([dep], w, Profiles(PROFILE), 4.0, 30,
+                               lambda d, r: (Latencies(None, None), measured), repeats=3)
+    seeds = validate.repeat_seeds(5, 3)
+    assert seeds == [5, 4006, 4007] and [r["seed"] for r in row["runs"]] == seeds
+    each = [predict(dep, replace(w, seed=s), PROFILE, 4.0, count=30).ttft_p50_ms
+            for s in seeds]
+    assert [r["predicted"]["ttft_p50_ms"] for r in row["runs"]] == each
+    assert row["predicted"]["ttft_p50_ms"] == sorted(each)[1]
+    assert row["measured"]["ttft_p50_ms"] == 40.0 and row["measured"]["tpot_p50_ms"] == 6.0
+    with pytest.raises(ValueError, match="1 measured runs for 3 seeds"):
+        validate.validate([dep], w, Profiles(PROFILE), 4.0, 30,
+                          lambda d, r: (Latencies(None, None), measured[:1]), repeats=3)
+
+
 def test_a_prediction_off_by_more_than_20_percent_is_flagged():
     rows = validate.validate([Deployment("colocated", 0, 1)], Workload("fixed:300,10"),
                              Profiles(PROFILE), 1.0, 10,
-                             lambda d, r: (Latencies(None, None), Latencies(20.0, 6.0)))
+                             lambda d, r: (Latencies(None, None), [Latencies(20.0, 6.0)]))
     assert rows[0]["within_target"] is False  # TTFT 32 predicted, 20 measured: +60%
 
 
 def test_constant_arrivals_cannot_be_sent_by_bench_serve(tmp_path):
     with pytest.raises(ValueError, match="constant"):
-        validate.StackRunner("tiny", Workload(arrivals="constant"), 10, tmp_path)
+        stacks.StackRunner("tiny", Workload(arrivals="constant"), 10, tmp_path)
 
 
 def test_plan_validate_writes_the_validation_json(tmp_path, monkeypatch, capsys):
     class FakeRunner:
-        def __init__(self, model: str, workload: Workload, count: int, log_dir: object):
-            assert model == "tiny" and count == 20
+        def __init__(self, model: str, workload: Workload, count: int, log_dir: object,
+                     repeats: int):
+            assert model == "tiny" and count == 20 and repeats == 2
 
-        def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, Latencies]:
-            return Latencies(35.0, 6.5), Latencies(35.0, 6.5, 50.0, 7.0)
+        def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, list[Latencies]]:
+            return Latencies(35.0, 6.5), [Latencies(35.0, 6.5, 50.0, 7.0),
+                                          Latencies(45.0, 7.5, 60.0, 8.0)]
 
-    monkeypatch.setattr(validate, "StackRunner", FakeRunner)
+    monkeypatch.setattr(stacks, "StackRunner", FakeRunner)
+    logs = tmp_path / "logs"
+    monkeypatch.setattr(stacks, "log_dir", lambda: logs.mkdir() or logs)
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps(PROFILE.__dict__))
     out = tmp_path / "v.json"
-    assert command.main(["--validate", "--model", "tiny", "--profile", str(profile),
-                         "--workload", "fixed:300,10", "--validate-requests", "20",
-                         "--validate-rate", "1.5", "--json", str(out)]) == 0
+    args = ["--validate", "--model", "tiny", "--profile", str(profile), "--workload",
+            "fixed:300,10", "--validate-requests", "20", "--validate-rate", "1.5",
+            "--validate-repeats", "2", "--json", str(out)]
+    assert command.main(args) == 0
+    assert not logs.exists()  # the runs' logs go with a validation that succeeded
     doc = json.loads(out.read_text())
     assert [v["config"] for v in doc["validation"]] == ["colocated x1 chunk 512",
                                                         "1P+1D chunk 512"]
     for v in doc["validation"]:
         assert v["rate"] == 1.5 and v["requests"] == 20
         assert set(v["predicted"]) >= {"ttft_p50_ms", "tpot_p50_ms"}
-        assert v["measured"]["ttft_p50_ms"] == 35.0
+        assert v["measured"]["ttft_p50_ms"] == 40.0  # the median of the two runs
+        assert [r["seed"] for r in v["runs"]] == [0, 4001]
+        assert [r["measured"]["tpot_p50_ms"] for r in v["runs"]] == [6.5, 7.5]
         assert v["calibration"]["step_overhead_ms"] == pytest.approx(0.5)  # 6.5 - 6 alone
-    assert "TTFT p50 pred/meas" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "TTFT p50 pred/meas" in printed and "2 x 20 requests" in printed
+    assert "2 runs, TTFT p50 measured 35.0-45.0 ms" in printed
+
+    def failing(dep: Deployment, rate: float) -> tuple[Latencies, list[Latencies]]:
+        raise RuntimeError("pdserve up exited (1) before it was ready")
+
+    monkeypatch.setattr(stacks, "StackRunner", lambda *a, **k: failing)
+    assert command.main(args) == 1  # and stay, named, with one that failed
+    assert f"before it was ready\n(the runs' logs: {logs})" in capsys.readouterr().err
+    assert logs.is_dir()
 
 
 def test_calibration_turns_what_requests_alone_took_beyond_the_model_into_overheads():
