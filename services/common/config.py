@@ -99,7 +99,9 @@ def build_parser(cls: type, service: str, *, env: Mapping[str, str] | None = Non
     Exits with a usage error (status 2) when an environment twin holds an unparsable value.
     """
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__)
+    # the description as written: its examples and paragraphs, not one reflowed block
+    parser = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         convert, optional = _converter(hints[f.name])

@@ -136,6 +136,17 @@ def test_plan_command_ranks_by_goodput_per_worker_and_writes_json(tmp_path, caps
     assert doc["workload"]["workload"] == "fixed:300,20" and doc["slo"]["ttft_ms"] == 300
 
 
+def test_plan_help_shows_its_examples_as_written(capsys):
+    with pytest.raises(SystemExit):
+        command.main(["--help"])
+    text = capsys.readouterr().out
+    # one example a line, as the docstring has them (argparse's default reflowed them into
+    # the paragraphs around)
+    assert "\n    pdserve plan --workload fixed:256,128 --ttft-slo-ms 500 --tpot-slo-ms 50 " \
+        "--max-workers 4\n" in text
+    assert "--validate-repeats" in text
+
+
 def test_plan_command_refuses_bad_options(capsys):
     with pytest.raises(SystemExit) as exc:
         command.main(["--chunk-sizes", "0"])
