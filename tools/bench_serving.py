@@ -33,35 +33,17 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.bench.loadgen.procs import free_port_block, stop_group
+from pdserve.bench.loadgen.procs import free_port_block, stop_group, wait_http
 from pdserve.bench.loadgen.report import plots
 from pdserve.bench.loadgen.stats import RequestRecord
 from pdserve.bench.quiet import wait_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}) before it answered {url}:\n"
-                               + log.read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s; log: {log}")
 
 
 @contextmanager

@@ -10,8 +10,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -106,7 +104,7 @@ class StackRunner:
 
     @contextmanager
     def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int]]:
-        from pdserve.bench.loadgen.procs import free_port_block, stop_group
+        from pdserve.bench.loadgen.procs import free_port_block, stop_group, wait_http
 
         base = free_port_block(50)
         cmd = [*PDSERVE, "up", "--model", self.model, "--no-demo", "--http-port", str(base),
@@ -124,7 +122,7 @@ class StackRunner:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         try:
-            _wait_ready(f"http://127.0.0.1:{base}/health", proc, self.ready_s, log)
+            wait_http(f"http://127.0.0.1:{base}/health", proc, self.ready_s, log, "pdserve up")
             yield f"127.0.0.1:{base + 1}", proc.pid
         finally:
             stop_group(proc)
@@ -146,22 +144,6 @@ def _shared(sampler: CoreSampler, client: int, summary: dict[str, object]
         cpu_s[client] = {core: s * scale for core, s in cpu_s[client].items()}
     found = shared_by_worker(cpu_s, sampler.roles, sampler.cores, tokens)
     return {role: [ms, cores] for role, (ms, cores) in found.items()}
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited ({proc.returncode}) before it was ready:\n"
-                               + log.read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)  # polling a starting server's health, not synchronisation
-    raise RuntimeError(f"{url} not ready within {timeout_s:.0f} s; log: {log}")
 
 
 def measure_profiles(model: str, progress: bool) -> Profiles:
