@@ -30,6 +30,7 @@ profiled with the threads it will have (the command measures them when no profil
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import cast
@@ -82,18 +83,11 @@ def repeat_seeds(seed: int, repeats: int) -> list[int]:
     return [seed] + [seed + REPEAT_SEED + r for r in range(1, repeats)]
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    known = sorted(v for v in values if v is not None)
-    if not known:
-        return None
-    mid = len(known) // 2
-    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
-
-
 def _medians(runs: Sequence[Latencies]) -> Latencies:
     """Each latency the median over `runs` (the first run's CPU figures)."""
     def median(key: str) -> float | None:
-        return _median([getattr(r, key) for r in runs])
+        known = [v for r in runs if (v := getattr(r, key)) is not None]
+        return statistics.median(known) if known else None
 
     return replace(runs[0], ttft_p50_ms=median("ttft_p50_ms"), tpot_p50_ms=median("tpot_p50_ms"),
                    ttft_p99_ms=median("ttft_p99_ms"), tpot_p99_ms=median("tpot_p99_ms"),
