@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.bench.loadgen.cpu import cpu_seconds
-from pdserve.bench.loadgen.runner import WARMUP_SEED, Plan, run
+from pdserve.bench.loadgen.runner import Plan, run, warm_up
 from pdserve.bench.loadgen.stats import RequestRecord, Slo, summarize
 from pdserve.bench.loadgen.targets import Target
 
@@ -30,11 +30,8 @@ def measure(targets: Sequence[Target], plan: Plan, slo: Slo | None = None, round
     and are not measured. Each summary has `client_cpu_ms_per_token` (this process's CPU per
     output token: clients differ too); with `cpu_pid`, `server_cpu_s` (that process's user +
     system CPU during the target's rounds) and `server_cpu_ms_per_token`."""
-    if plan.warmup:  # prompts of their own: none of the measured ones is cached by them
-        warm = dataclasses.replace(plan, shapes=plan.shapes[:plan.warmup], warmup=0,
-                                   seed=plan.seed + WARMUP_SEED)
-        for target in targets:
-            run(target, warm, "warm-up", progress=False)
+    for target in targets:
+        warm_up(target, plan)
     count = len(plan.shapes)
     rounds = max(1, min(rounds, count))
     bounds = [count * r // rounds for r in range(rounds + 1)]

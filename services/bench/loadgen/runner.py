@@ -59,19 +59,24 @@ class Progress:
                 self._out.flush()
 
 
+def warm_up(target: Target, plan: Plan) -> None:
+    """Send `plan.warmup` unrecorded requests, one at a time, of the first shapes' lengths with
+    prompts of their own: sending the first measured prompts put them in the server's prefix
+    cache, and those requests then measured a cache hit (2 of 8 in plan --validate's
+    calibration)."""
+    rng = random.Random(plan.seed + WARMUP_SEED)
+    for shape in plan.shapes[:plan.warmup]:
+        prompt = plan.vocabulary.prompt(shape.prompt_tokens, rng)
+        target.send(RequestRecord(-1, len(prompt)), prompt, shape.output_tokens, plan.timeout_s)
+
+
 def run(target: Target, plan: Plan, label: str = "bench serve", progress: bool = True
         ) -> tuple[list[RequestRecord], float]:
     """The measured requests' records and the measured wall time (s); `progress`: a progress
     line on stderr."""
     rng = random.Random(plan.seed)
     prompts = [plan.vocabulary.prompt(s.prompt_tokens, rng) for s in plan.shapes]
-    # Warm connections and the server's first steps, unrecorded, with prompts of their own:
-    # sending the first measured prompts here put them in the server's prefix cache, and those
-    # requests then measured a cache hit (2 of 8 in plan --validate's calibration).
-    warm_rng = random.Random(plan.seed + WARMUP_SEED)
-    for shape in plan.shapes[:plan.warmup]:
-        warm = plan.vocabulary.prompt(shape.prompt_tokens, warm_rng)
-        target.send(RequestRecord(-1, len(warm)), warm, shape.output_tokens, plan.timeout_s)
+    warm_up(target, plan)
     records = [RequestRecord(i, len(p), s.output_tokens)
                for i, (p, s) in enumerate(zip(prompts, plan.shapes))]
     shown = Progress(f"{label} {target.name}", len(records)) if progress else None
