@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -84,10 +84,11 @@ class StackRunner:
         out = self.log_dir / f"bench-{name}.json"
         cmd = [*PDSERVE, "bench", "serve", "--target", target, "--model", self.model,
                "--workload", self.workload.spec, "--json", str(out), *flags]
-        with (self.log_dir / f"bench-{name}.log").open("w+") as log, \
-                CoreSampler([sample] if sample else []) as sampler:
+        # no sampler thread (it rescans /proc) beside the runs that are not sampled
+        sampler = CoreSampler([sample]) if sample else None
+        with (self.log_dir / f"bench-{name}.log").open("w+") as log, sampler or nullcontext():
             client = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-            if sample:
+            if sampler is not None:
                 sampler.add(client.pid)
             code = client.wait(timeout=3600)
             if code != 0:
@@ -96,7 +97,7 @@ class StackRunner:
         summary = json.loads(out.read_text())["runs"][0]["summary"]
         ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
         cpu = [summary.get(k) for k in ("server_cpu_ms_per_token", "client_cpu_ms_per_token")]
-        shared = _shared(sampler, client.pid, summary) if sample else None
+        shared = _shared(sampler, client.pid, summary) if sampler is not None else None
         prefill = summary.get("components_ms", {}).get("prefill_ms", {}).get("p50")
         return Latencies(ttft["p50"], tpot["p50"], ttft["p99"], tpot["p99"],
                          sum(c for c in cpu if c is not None) if any(cpu) else None, shared,
