@@ -40,6 +40,7 @@ from pdserve.processes import Proc, Stack, _signal_group
 
 FIRST_ADDRESS = "127.61.0.1"      # the stable workers; the vanishing ones from VANISH_ADDRESS
 VANISH_ADDRESS = "127.62.0.1"
+FLOORS = ("aio", "sync")            # --floor: pdserve.bench.router_floor's kinds
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--router-arg", action="append", default=[],
                    help="an extra router flag, e.g. --router-arg=--health-interval-s=5 "
                         "(repeatable)")
+    p.add_argument("--floor", action="store_true",
+                   help="then run the same load through the least a Python router can do "
+                        "(pdserve.bench.router_floor: grpc.aio, then sync gRPC), each in front "
+                        "of its own simulated workers, and print pdserve's cost beside theirs")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompt")
     args = p.parse_args(argv)
@@ -145,10 +150,24 @@ def _addresses(first: str, count: int, port: int) -> list[str]:
     return [f"{start + i}:{port}" for i in range(count)]
 
 
-def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], port: int,
+                 metrics_port: int, extra: list[str]) -> list[str]:
+    if kind != "pdserve":  # a floor: no metrics, no health checks, no tokenizer
+        return [sys.executable, "-m", "pdserve.bench.router_floor", "--kind", kind,
+                "--port", str(port), "--prefill", ",".join(prefill), "--decode", ",".join(decode)]
+    return [sys.executable, "-m", "pdserve.router.main", "--model", model,
+            "--prefill", ",".join(prefill), "--decode", ",".join(decode),
+            "--port", str(port), "--http-port", "-1",
+            "--metrics-port", str(metrics_port), "--remote-prefill-min-tokens", "0", *extra]
+
+
+def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str, Any]:
+    """One router (`kind`: pdserve's, or a floor of pdserve.bench.router_floor) in front of
+    its own simulated workers, under the load of `args`."""
     from pdserve.engine import builtin
 
     model = args.model or str(builtin.ensure("tiny"))
+    work.mkdir(parents=True, exist_ok=True)
     router_cpus, harness_cpus = _cores(args.router_cpus)
     os.sched_setaffinity(0, harness_cpus)
     keep_p, keep_d, gone_p, gone_d = _split(args.workers, args.vanish)
@@ -163,12 +182,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     decode = _addresses(FIRST_ADDRESS, keep_d, ports[1]) + \
         _addresses(VANISH_ADDRESS, gone_d, ports[1])
     rport, mport = free_port(), free_port()
-    router = Proc("router", f"127.0.0.1:{rport}",
-                  [sys.executable, "-m", "pdserve.router.main", "--model", model,
-                   "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-                   "--port", str(rport), "--http-port", "-1",
-                   "--metrics-port", str(mport), "--remote-prefill-min-tokens", "0",
-                   *args.router_arg], cpus=router_cpus)
+    router = Proc("router" if kind == "pdserve" else f"floor-{kind}", f"127.0.0.1:{rport}",
+                  _router_argv(kind, model, prefill, decode, rport, mport, args.router_arg),
+                  cpus=router_cpus)
     metrics_url = f"http://127.0.0.1:{mport}/metrics"
     sims = Stack(procs, work)
     routers = Stack([router], work)
@@ -176,11 +192,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(f"starting {args.workers} simulated workers ({keep_p + gone_p} prefill, "
               f"{keep_d + gone_d} decode) on cores {harness_cpus} ...", flush=True)
         sims.start(timeout_s=120)
-        print(f"starting the router on cores {router_cpus or 'any'} ...", flush=True)
+        print(f"starting {'the router' if kind == 'pdserve' else f'the {kind} floor router'} "
+              f"on cores {router_cpus or 'any'} ...", flush=True)
         started = time.monotonic()
         routers.start(timeout_s=120)
         serving_s = time.monotonic() - started
-        healthy_s = _wait_healthy(metrics_url, args.workers, 60)
+        healthy_s = _wait_healthy(metrics_url, args.workers, 60) if kind == "pdserve" else None
         all_healthy_s = None if healthy_s is None else time.monotonic() - started
         shots, window = _load(args, router, procs, model, metrics_url, keep_p + keep_d)
     finally:
@@ -196,6 +213,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result["discovery"] = {"serving_s": serving_s, "all_healthy_s": all_healthy_s,
                            "all_used_s": result.pop("all_used_s")}
     result["machine"] = machine()
+    result["router"] = kind
     return result
 
 
@@ -250,15 +268,23 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pdserve.bench.router_report import show, show_floor
+
+    cpus = os.sched_getaffinity(0)  # each run splits them between its router and harness
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-router-") as tmp:
         try:
-            result = run(args, Path(tmp))
+            result = run(args, Path(tmp) / "pdserve")
+            show(result)
+            if args.floor:
+                plain = argparse.Namespace(**{**vars(args), "vanish": 0.0})
+                result["floor"] = {}
+                for kind in FLOORS:
+                    os.sched_setaffinity(0, cpus)
+                    result["floor"][kind] = run(plain, Path(tmp) / kind, kind)
+                show_floor(result)
         except (RuntimeError, TimeoutError, OSError) as exc:
             print(f"pdserve bench router: {exc}", flush=True)
             return 1
-    from pdserve.bench.router_report import show
-
-    show(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

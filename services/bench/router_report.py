@@ -159,3 +159,20 @@ def show(r: dict[str, Any]) -> None:
     m = r["machine"]
     lines.append(f"  machine             {m['cpu']}, {m['cores']} cores, {' '.join(m['flags'])}")
     print("\n".join(lines), flush=True)
+
+
+def show_floor(r: dict[str, Any]) -> None:
+    """pdserve's router beside the floors (`--floor`) in the same run."""
+    ours = r["router_cpu"]["ms_per_request"]
+    lines = ["router beside the least a Python router can do (pdserve.bench.router_floor), "
+             "same load, each with its own simulated workers:",
+             f"  {'router':<10} {'req/s':>7} {'CPU ms/req':>11} {'ms/token':>9} "
+             f"{'added p50':>10} {'added p99':>10} {'pdserve / this':>15}"]
+    for name, row in (("pdserve", r), *((f"floor {k}", v) for k, v in r["floor"].items())):
+        cpu, added = row["router_cpu"], row["router_added_ms"]
+        mine = cpu["ms_per_request"]
+        ratio = f"{ours / mine:.2f}x" if ours and mine else "-"
+        lines.append(f"  {name:<10} {row['req_s']:>7.1f} {_ms(cpu, 'ms_per_request'):>11} "
+                     f"{_ms(cpu, 'ms_per_token'):>9} {_ms(added, 'p50'):>10} "
+                     f"{_ms(added, 'p99'):>10} {ratio:>15}")
+    print("\n".join(lines), flush=True)

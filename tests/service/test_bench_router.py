@@ -59,6 +59,30 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     assert _ours_running("pdserve-bench-router-") == []  # sims and router are gone
 
 
+def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(tmp_path):
+    out = tmp_path / "router.json"
+    run = subprocess.run(pdserve_argv(
+        "bench", "router", "--workers", "8", "--rate", "30", "--duration", "2", "--warmup",
+        "0.5", "--vanish", "0", "--floor", "--json", str(out)),
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = json.loads(out.read_text())
+    assert r["router"] == "pdserve" and set(r["floor"]) == {"aio", "sync"}
+    for kind, f in r["floor"].items():
+        assert f["router"] == kind and f["sent"] == r["sent"] > 30, kind  # the same arrivals
+        assert f["completed"] == f["sent"] and f["failed"] == 0, f["errors"]
+        assert f["tokens_s"] == pytest.approx(8 * f["req_s"], rel=0.01)  # every token relayed
+        assert f["workers_seen"] == 8  # workers in turn; Timing names both of each request
+        assert f["router_cpu"]["ms_per_request"] > 0 and f["router_added_ms"]["n"] > 20
+        assert f["discovery"]["all_healthy_s"] is None  # a floor checks no health
+    rows = [line.split() for line in run.stdout.splitlines()
+            if line.startswith(("  pdserve ", "  floor aio ", "  floor sync "))]
+    assert [row[0] for row in rows] == ["pdserve", "floor", "floor"] and rows[0][-1] == "1.00x"
+    assert all(row[-1].endswith("x") for row in rows)
+    assert _ours_running("pdserve-bench-router-") == []
+    assert _ours_running("pdserve.bench.router_floor") == []
+
+
 def test_bench_router_refuses_bad_flags_by_name():
     run = subprocess.run(pdserve_argv("bench", "router", "--workers", "1"),
                          capture_output=True, text=True, timeout=60)

@@ -1,0 +1,215 @@
+"""The least a Python gRPC router can do per request: the baseline `pdserve bench router
+--floor` sets beside pdserve's router, in front of the same simulated workers.
+
+    python -m pdserve.bench.router_floor --kind aio --port P --prefill A,B --decode C,D
+
+It serves Router.Generate (token ids only) and does what every disaggregated request needs and
+nothing more: Reserve on a decode worker, Prefill with its ticket on a prefill worker, the
+Decode stream, each token relayed as its own delta, the Timing and the Finish. Workers are
+taken in turn (no placement, no health checks, no Stats, no retries, no tokenizer, no
+metrics, no tracing, no logging). `--kind aio`: one asyncio loop (grpc.aio server and
+clients); `--kind sync`: the thread-pool server and blocking client calls (the cheapest sync
+calls: no `.future()`, so nothing can cancel them). What pdserve's router costs beyond this is
+its own work; what this costs is Python gRPC's, the part no change inside a router removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+
+LEASE_MS = 30_000.0
+TIMEOUT_S = 30.0
+MAX_STREAMS = 256  # in flight at once, beyond: RESOURCE_EXHAUSTED (pdserve's --max-streams)
+BUSY = "the floor router is serving its limit of Generate streams"
+
+
+def _requests(request: router_pb2.GenerateRequest, rid: str
+              ) -> tuple[decode_pb2.ReserveRequest, common_pb2.SamplingParams]:
+    sampling = common_pb2.SamplingParams(
+        temperature=0.0, ignore_eos=True, max_tokens=request.max_tokens or 8)
+    reserve = decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(request.token_ids),
+                                        lease_ms=LEASE_MS, prompt_token_ids=request.token_ids,
+                                        prefill_here_below_tokens=1, sampling=sampling)
+    return reserve, sampling
+
+
+def _timing(rid: str, reply: prefill_pb2.PrefillResponse, decode_worker: str
+            ) -> router_pb2.GenerateResponse:
+    return router_pb2.GenerateResponse(request_id=rid, timing=router_pb2.Timing(
+        prefill_worker=reply.worker_id, decode_worker=decode_worker, prefill_ms=reply.prefill_ms,
+        attempts=1))
+
+
+def _delta(rid: str, tokens: Any) -> router_pb2.GenerateResponse:
+    return router_pb2.GenerateResponse(request_id=rid,
+                                       delta=router_pb2.TokenDelta(token_ids=tokens))
+
+
+def _finish(rid: str, reason: str, prompt: int, tokens: int) -> router_pb2.GenerateResponse:
+    return router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
+        finish_reason=reason or "length", prompt_tokens=prompt, completion_tokens=tokens))
+
+
+class _Turns:
+    """Workers of each role taken in turn."""
+
+    def __init__(self, prefill: list[Any], decode: list[Any]):
+        self._prefill, self._decode = prefill, decode
+        self._next = itertools.count()
+
+    def pick(self) -> tuple[int, Any, Any]:
+        i = next(self._next)
+        return i, self._prefill[i % len(self._prefill)], self._decode[i % len(self._decode)]
+
+
+class AioFloor(router_pb2_grpc.RouterServicer):
+    def __init__(self, prefill: list[str], decode: list[str], max_streams: int):
+        self._turns = _Turns(
+            [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a)) for a in prefill],
+            [decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(a)) for a in decode])
+        self._free = max_streams
+
+    async def Generate(self, request: router_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        if self._free <= 0:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY)
+        self._free -= 1
+        try:
+            async for message in self._generate(request):
+                yield message
+        except grpc.aio.AioRpcError as exc:  # a worker's answer, passed on as pdserve's are
+            await context.abort(exc.code(), exc.details() or "")
+        finally:
+            self._free += 1
+
+    async def _generate(self, request: router_pb2.GenerateRequest
+                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        i, p, d = self._turns.pick()
+        rid = request.request_id or f"floor{i}"
+        reserve, sampling = _requests(request, rid)
+        held = await d.Reserve(reserve, timeout=TIMEOUT_S)
+        reply = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, token_ids=request.token_ids, sampling=sampling, ticket=held.ticket,
+            destination=held.destination), timeout=TIMEOUT_S)
+        yield _delta(rid, [reply.first_token])
+        yield _timing(rid, reply, held.ticket.decode_worker)
+        tokens, reason = 1, ""
+        if sampling.max_tokens > 1:
+            async for message in d.Decode(decode_pb2.DecodeRequest(
+                    ticket=held.ticket, prompt_token_ids=request.token_ids,
+                    first_token=reply.first_token, sampling=sampling), timeout=TIMEOUT_S):
+                if message.token_ids:
+                    tokens += len(message.token_ids)
+                    yield _delta(rid, message.token_ids)
+                if message.finish_reason:
+                    reason = message.finish_reason
+                    break
+        yield _finish(rid, reason, len(request.token_ids), tokens)
+
+
+class SyncFloor(router_pb2_grpc.RouterServicer):
+    def __init__(self, prefill: list[str], decode: list[str], max_streams: int):
+        self._turns = _Turns(
+            [prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(a)) for a in prefill],
+            [decode_pb2_grpc.DecodeStub(grpc.insecure_channel(a)) for a in decode])
+        self._slots = threading.BoundedSemaphore(max_streams)
+
+    def Generate(self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[router_pb2.GenerateResponse]:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY)
+        try:
+            yield from self._generate(request)
+        except grpc.RpcError as exc:
+            context.abort(exc.code(), exc.details() or "")
+        finally:
+            self._slots.release()
+
+    def _generate(self, request: router_pb2.GenerateRequest
+                  ) -> Iterator[router_pb2.GenerateResponse]:
+        i, p, d = self._turns.pick()
+        rid = request.request_id or f"floor{i}"
+        reserve, sampling = _requests(request, rid)
+        held = d.Reserve(reserve, timeout=TIMEOUT_S)
+        reply = p.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, token_ids=request.token_ids, sampling=sampling, ticket=held.ticket,
+            destination=held.destination), timeout=TIMEOUT_S)
+        yield _delta(rid, [reply.first_token])
+        yield _timing(rid, reply, held.ticket.decode_worker)
+        tokens, reason = 1, ""
+        if sampling.max_tokens > 1:
+            for message in d.Decode(decode_pb2.DecodeRequest(
+                    ticket=held.ticket, prompt_token_ids=request.token_ids,
+                    first_token=reply.first_token, sampling=sampling), timeout=TIMEOUT_S):
+                if message.token_ids:
+                    tokens += len(message.token_ids)
+                    yield _delta(rid, message.token_ids)
+                if message.finish_reason:
+                    reason = message.finish_reason
+                    break
+        yield _finish(rid, reason, len(request.token_ids), tokens)
+
+
+async def _serve_aio(args: argparse.Namespace) -> None:
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(
+        AioFloor(args.prefill.split(","), args.decode.split(","), args.max_streams), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{args.port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _serve_sync(args: argparse.Namespace) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams + 8))
+    router_pb2_grpc.add_RouterServicer_to_server(
+        SyncFloor(args.prefill.split(","), args.decode.split(","), args.max_streams), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{args.port}")
+    server.start()
+    server.wait_for_termination()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.router_floor",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=("aio", "sync"), default="aio")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--prefill", required=True, help="prefill addresses, comma-separated")
+    parser.add_argument("--decode", required=True, help="decode addresses, comma-separated")
+    parser.add_argument("--max-streams", type=int, default=MAX_STREAMS,
+                        help=f"Generate streams at once, more refused (default {MAX_STREAMS}, "
+                             "as pdserve's router)")
+    args = parser.parse_args(argv)
+    try:
+        if args.kind == "aio":
+            asyncio.run(_serve_aio(args))
+        else:
+            _serve_sync(args)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
