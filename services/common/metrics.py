@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.common.heap import gc_pauses
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -350,6 +351,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
     if port == DISABLED:
         log.info("%s metrics: off", service or "process")
         return None
+    with contextlib.suppress(ValueError):  # already there: a registry served twice
+        registry.register(gc_pauses())
     try:
         httpd, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

@@ -13,6 +13,7 @@ import sys
 
 from pdserve.common import fastcopy
 from pdserve.common.config import parse_config
+from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import serve_metrics
 from pdserve.common.security import ChannelSecurity, server_credentials, ssl_server_context
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         agent.close()
         return 1
     servicer = KVTransferServicer(agent)
+    freeze_startup_heap(SERVICE)
     metrics = serve_metrics(agent.metrics.registry, cfg.metrics_port, cfg.host, service=SERVICE)
     try:
         handle = start(SERVICE, cfg.port,

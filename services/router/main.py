@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from pdserve.common.config import parse_config
+from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import DISABLED, serve_metrics
 from pdserve.common.models import ModelRef, resolve_model_name
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     # The first check of every worker before either port answers (bounded by the check's
     # timeout): a router started beside SERVING workers is ready from its first answer.
     pool.wait_checked(pool.timeout_s + 1.0)
+    freeze_startup_heap(SERVICE)  # the workers' channels and stubs, the tokenizer, ...
     http: HttpFrontDoor | None = None
     try:
         if cfg.http_port != DISABLED:

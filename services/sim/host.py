@@ -62,6 +62,7 @@ class SimConfig:
 async def _serve(cfg: SimConfig, stop: asyncio.Event) -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from pdserve.common.heap import freeze_startup_heap
     from pdserve.sim.profile import SimProfile
     from pdserve.sim.workers import Ledger, SimDecode, SimPrefill
     from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
@@ -87,6 +88,7 @@ async def _serve(cfg: SimConfig, stop: asyncio.Event) -> int:
                     raise OSError(f"cannot listen on {address}")
                 await server.start()
                 servers.append(server)
+        freeze_startup_heap("pdserve sim")
         lists = {role: cfg.addresses(role) for role in ("prefill", "decode")}
         if cfg.addresses_file:
             Path(cfg.addresses_file).write_text(json.dumps(lists))

@@ -14,6 +14,7 @@ from typing import Protocol, TypeVar
 import grpc
 from pdserve.common.config import parse_config
 from pdserve.common.cpus import cpu_allowance, format_cpu_list
+from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import WorkerMetrics, serve_metrics
 from pdserve.common.security import ChannelSecurity, server_credentials
@@ -129,6 +130,7 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
         engine.ranks.on_death = rank_died
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)
+    freeze_startup_heap(worker_id)  # the model's modules, the engine, the tokenizer
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
         handle = start(role, cfg.port, servicers(worker), host=cfg.host,

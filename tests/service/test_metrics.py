@@ -56,6 +56,18 @@ def test_every_process_serves_only_pdserve_metrics(stack):
         assert all(f.name.startswith("pdserve_") for f in scrape.families), name
 
 
+def test_every_process_froze_its_start_up_heap_and_reports_its_collection_pauses(stack):
+    for name, scrape in scrape_all(stack).items():
+        # what start-up built (a worker's model and engine, the router's pool and tokenizer)
+        # is out of the collector's sight: a full collection no longer walks it
+        assert scrape("pdserve_gc_frozen_objects") > 10_000, name
+        for gen in "012":
+            assert scrape("pdserve_gc_pause_seconds_count", generation=gen) >= 0, name
+            assert scrape("pdserve_gc_pause_seconds_bucket", generation=gen, le="+Inf") == \
+                scrape("pdserve_gc_pause_seconds_count", generation=gen), name
+        assert scrape("pdserve_gc_pause_seconds_count", generation="0") > 0, name
+
+
 def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     before = scrape_all(stack)
     timings = []
