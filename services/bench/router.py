@@ -36,6 +36,7 @@ from typing import Any
 from pdserve.bench.loadgen.procs import free_port
 from pdserve.bench.router_load import Shot, drive, prompt_ids
 from pdserve.bench.router_report import Window, cpu_seconds, machine, summarize
+from pdserve.common.heap import no_collection
 from pdserve.processes import Proc, Stack, _signal_group
 
 FIRST_ADDRESS = "127.61.0.1"      # the stable workers; the vanishing ones from VANISH_ADDRESS
@@ -114,6 +115,27 @@ def _healthy(metrics_url: str) -> float:
         text = reply.read().decode()
     return sum(s.value for f in text_string_to_metric_families(text)
                if f.name == "pdserve_workers_healthy" for s in f.samples)
+
+
+def _gc_pauses(metrics_url: str) -> dict[str, list[float]]:
+    """The router's garbage-collection pauses so far, per generation: [collections, seconds]
+    (pdserve_gc_pause_seconds); {} when it has no /metrics (a floor)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    found: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "pdserve_gc_pause_seconds":
+            continue
+        for s in family.samples:
+            slot = {"pdserve_gc_pause_seconds_count": 0, "pdserve_gc_pause_seconds_sum": 1}
+            if s.name in slot:
+                found.setdefault(s.labels["generation"], [0.0, 0.0])[slot[s.name]] = s.value
+    return found
 
 
 def _wait_healthy(metrics_url: str, want: float, timeout_s: float, fewer: bool = False
@@ -199,7 +221,8 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
         serving_s = time.monotonic() - started
         healthy_s = _wait_healthy(metrics_url, args.workers, 60) if kind == "pdserve" else None
         all_healthy_s = None if healthy_s is None else time.monotonic() - started
-        shots, window = _load(args, router, procs, model, metrics_url, keep_p + keep_d)
+        shots, window = _load(args, router, procs, model, metrics_url, keep_p + keep_d,
+                              kind)
     finally:
         routers.stop()
         sims.stop()
@@ -218,7 +241,8 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
 
 
 def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
-          metrics_url: str, survivors: int) -> tuple[list[Shot], Window]:
+          metrics_url: str, survivors: int, kind: str = "pdserve"
+          ) -> tuple[list[Shot], Window]:
     from pdserve.router.tokenizer import Tokenizer, hide_torch
 
     hide_torch()
@@ -227,11 +251,13 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
     harness = [p.popen.pid for p in procs if p.popen is not None]
     window = Window(start_s=args.warmup, end_s=args.warmup + args.duration)
     marks: dict[str, tuple[float, float, float]] = {}
+    pauses: dict[str, dict[str, list[float]]] = {}
 
     def mark(name: str) -> None:
         assert router.popen is not None
         marks[name] = (time.monotonic(), cpu_seconds(router.popen.pid),
                        sum(map(cpu_seconds, harness)) + sum(os.times()[:2]))
+        pauses[name] = _gc_pauses(metrics_url) if kind == "pdserve" else {}
 
     vanish = next((p for p in procs if p.name == "sim-vanish"), None)
     unhealthy: list[float | None] = []
@@ -249,16 +275,20 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
     seconds = window.end_s + (args.vanish_seconds if vanish is not None else 0.0)
     print(f"load: {args.rate:g} req/s for {seconds:g} s ({args.warmup:g} s warm-up, "
           f"{args.duration:g} s measured) ...", flush=True)
-    shots = asyncio.run(drive(router.address, rate=args.rate, seconds=seconds,
-                              prompt=lambda i: prompt_ids(args.prompt_tokens, vocab,
-                                                          args.seed * 1_000_003 + i),
-                              max_tokens=args.output_tokens, seed=args.seed,
-                              at=[(window.start_s, lambda: mark("start")),
-                                  (window.end_s, kill)]))
+    with no_collection():  # the client's own pauses would count as the router's latency
+        shots = asyncio.run(drive(router.address, rate=args.rate, seconds=seconds,
+                                  prompt=lambda i: prompt_ids(args.prompt_tokens, vocab,
+                                                              args.seed * 1_000_003 + i),
+                                  max_tokens=args.output_tokens, seed=args.seed,
+                                  at=[(window.start_s, lambda: mark("start")),
+                                      (window.end_s, kill)]))
     if "end" not in marks:
         mark("end")
     (t0, r0, h0), (t1, r1, h1) = marks["start"], marks["end"]
     window.wall_s, window.router_cpu_s, window.harness_cpu_s = t1 - t0, r1 - r0, h1 - h0
+    window.router_gc = {gen: [n - pauses["start"].get(gen, [0.0, 0.0])[0],
+                              s - pauses["start"].get(gen, [0.0, 0.0])[1]]
+                        for gen, (n, s) in pauses.get("end", {}).items()}
     window.router_cores = len(router.cpus or os.sched_getaffinity(0))
     window.harness_cores = len(os.sched_getaffinity(0))
     window.vanished = args.workers - survivors if vanish is not None else 0

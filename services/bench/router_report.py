@@ -7,7 +7,7 @@ import argparse
 import os
 import platform
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ class Window:
     harness_cores: int = 1
     vanished: int = 0
     unhealthy_after_s: float | None = None
+    # the router's garbage collections in the window, per generation: [collections, seconds]
+    router_gc: dict[str, list[float]] = field(default_factory=dict)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,6 +110,8 @@ def summarize(shots: list[Shot], ledger: dict[str, float], stable: frozenset[str
             "ms_per_request": per_request,
             "ms_per_token": window.router_cpu_s * 1e3 / tokens if tokens else None,
             "cores_busy": window.router_cpu_s / wall, "cores": window.router_cores},
+        "router_gc": {gen: {"collections": int(n), "ms": s * 1e3}
+                      for gen, (n, s) in sorted(window.router_gc.items())},
         "harness": {"cores_busy": window.harness_cpu_s / wall, "cores": window.harness_cores,
                     "send_lag_ms": percentiles([s.lag_ms for s in measured])},
         "workers_seen": len(seen),
@@ -126,6 +130,13 @@ def _ms(stats: dict[str, Any], key: str) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _gc(pauses: dict[str, dict[str, float]]) -> str:
+    if not pauses:
+        return "- (no /metrics)"
+    return ", ".join(f"gen {gen} {p['collections']}x {p['ms']:.0f} ms" for gen, p in
+                     sorted(pauses.items(), reverse=True)) + " (gen 2: full collections)"
+
+
 def show(r: dict[str, Any]) -> None:
     cpu, harness, disc = r["router_cpu"], r["harness"], r["discovery"]
     added = r["router_added_ms"]
@@ -142,6 +153,7 @@ def show(r: dict[str, Any]) -> None:
         f"  router CPU          {_ms(cpu, 'ms_per_request')} ms/request, "
         f"{_ms(cpu, 'ms_per_token')} ms/token, {cpu['cores_busy']:.2f} of "
         f"{cpu['cores']} core(s) busy",
+        f"  router GC pauses    {_gc(r.get('router_gc') or {})}",
         f"  harness             {harness['cores_busy']:.2f} of {harness['cores']} core(s) busy, "
         f"send lag p99 {_ms(harness['send_lag_ms'], 'p99')} ms",
         f"  workers used        {r['workers_seen']} of {r['workers']}"

@@ -56,6 +56,9 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     # dead workers were streaming may fail.
     assert v["failed"] <= v["in_flight_lost"] + 2, v["errors"]
     assert "router-added ms" in run.stdout and "workers used        140 of 140" in run.stdout
+    gc_ = r["router_gc"]  # from the router's /metrics, over the window
+    assert set(gc_) == {"0", "1", "2"} and gc_["0"]["collections"] > 0 and gc_["0"]["ms"] > 0
+    assert "router GC pauses    gen 2 " in run.stdout
     assert _ours_running("pdserve-bench-router-") == []  # sims and router are gone
 
 
@@ -75,6 +78,7 @@ def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(t
         assert f["workers_seen"] == 8  # workers in turn; Timing names both of each request
         assert f["router_cpu"]["ms_per_request"] > 0 and f["router_added_ms"]["n"] > 20
         assert f["discovery"]["all_healthy_s"] is None  # a floor checks no health
+        assert f["router_gc"] == {}  # nor serves /metrics
     rows = [line.split() for line in run.stdout.splitlines()
             if line.startswith(("  pdserve ", "  floor aio ", "  floor sync "))]
     assert [row[0] for row in rows] == ["pdserve", "floor", "floor"] and rows[0][-1] == "1.00x"
