@@ -41,31 +41,50 @@ MAX_STREAMS = 256  # in flight at once, beyond: RESOURCE_EXHAUSTED (pdserve's --
 BUSY = "the floor router is serving its limit of Generate streams"
 
 
-def _requests(request: router_pb2.GenerateRequest, rid: str
-              ) -> tuple[decode_pb2.ReserveRequest, common_pb2.SamplingParams]:
-    sampling = common_pb2.SamplingParams(
-        temperature=0.0, ignore_eos=True, max_tokens=request.max_tokens or 8)
-    reserve = decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(request.token_ids),
-                                        lease_ms=LEASE_MS, prompt_token_ids=request.token_ids,
-                                        prefill_here_below_tokens=1, sampling=sampling)
-    return reserve, sampling
+class _Request:
+    """One Generate as both floors run it: the calls to make, and what to send back."""
 
+    def __init__(self, request: router_pb2.GenerateRequest, index: int):
+        self.ids, self.rid = request.token_ids, request.request_id or f"floor{index}"
+        self.sampling = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True,
+                                                  max_tokens=request.max_tokens or 8)
+        self.reserve = decode_pb2.ReserveRequest(
+            request_id=self.rid, num_prompt_tokens=len(self.ids), lease_ms=LEASE_MS,
+            prompt_token_ids=self.ids, prefill_here_below_tokens=1, sampling=self.sampling)
+        self.tokens, self.reason = 0, ""
 
-def _timing(rid: str, reply: prefill_pb2.PrefillResponse, decode_worker: str
-            ) -> router_pb2.GenerateResponse:
-    return router_pb2.GenerateResponse(request_id=rid, timing=router_pb2.Timing(
-        prefill_worker=reply.worker_id, decode_worker=decode_worker, prefill_ms=reply.prefill_ms,
-        attempts=1))
+    def prefill(self, held: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillRequest:
+        return prefill_pb2.PrefillRequest(request_id=self.rid, token_ids=self.ids,
+                                          sampling=self.sampling, ticket=held.ticket,
+                                          destination=held.destination)
 
+    def started(self, held: decode_pb2.ReserveResponse, reply: prefill_pb2.PrefillResponse
+                ) -> tuple[list[router_pb2.GenerateResponse], decode_pb2.DecodeRequest | None]:
+        """The first token and the Timing; the Decode call to open (None: nothing more)."""
+        timing = router_pb2.GenerateResponse(request_id=self.rid, timing=router_pb2.Timing(
+            prefill_worker=reply.worker_id, decode_worker=held.ticket.decode_worker,
+            prefill_ms=reply.prefill_ms, attempts=1))
+        sent = [self._delta([reply.first_token]), timing]
+        if self.tokens >= self.sampling.max_tokens:
+            return sent, None
+        return sent, decode_pb2.DecodeRequest(ticket=held.ticket, prompt_token_ids=self.ids,
+                                              first_token=reply.first_token,
+                                              sampling=self.sampling)
 
-def _delta(rid: str, tokens: Any) -> router_pb2.GenerateResponse:
-    return router_pb2.GenerateResponse(request_id=rid,
-                                       delta=router_pb2.TokenDelta(token_ids=tokens))
+    def relay(self, message: decode_pb2.DecodeResponse) -> router_pb2.GenerateResponse | None:
+        """A Decode message's tokens as a delta (None: it had none); `reason` set at the end."""
+        self.reason = message.finish_reason
+        return self._delta(message.token_ids) if message.token_ids else None
 
+    def finish(self) -> router_pb2.GenerateResponse:
+        return router_pb2.GenerateResponse(request_id=self.rid, finish=router_pb2.Finish(
+            finish_reason=self.reason or "length", prompt_tokens=len(self.ids),
+            completion_tokens=self.tokens))
 
-def _finish(rid: str, reason: str, prompt: int, tokens: int) -> router_pb2.GenerateResponse:
-    return router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.Finish(
-        finish_reason=reason or "length", prompt_tokens=prompt, completion_tokens=tokens))
+    def _delta(self, tokens: Any) -> router_pb2.GenerateResponse:
+        self.tokens += len(tokens)
+        return router_pb2.GenerateResponse(request_id=self.rid,
+                                           delta=router_pb2.TokenDelta(token_ids=tokens))
 
 
 class _Turns:
@@ -75,9 +94,10 @@ class _Turns:
         self._prefill, self._decode = prefill, decode
         self._next = itertools.count()
 
-    def pick(self) -> tuple[int, Any, Any]:
+    def pick(self, request: router_pb2.GenerateRequest) -> tuple[_Request, Any, Any]:
         i = next(self._next)
-        return i, self._prefill[i % len(self._prefill)], self._decode[i % len(self._decode)]
+        return (_Request(request, i), self._prefill[i % len(self._prefill)],
+                self._decode[i % len(self._decode)])
 
 
 class AioFloor(router_pb2_grpc.RouterServicer):
@@ -103,27 +123,19 @@ class AioFloor(router_pb2_grpc.RouterServicer):
 
     async def _generate(self, request: router_pb2.GenerateRequest
                         ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        i, p, d = self._turns.pick()
-        rid = request.request_id or f"floor{i}"
-        reserve, sampling = _requests(request, rid)
-        held = await d.Reserve(reserve, timeout=TIMEOUT_S)
-        reply = await p.Prefill(prefill_pb2.PrefillRequest(
-            request_id=rid, token_ids=request.token_ids, sampling=sampling, ticket=held.ticket,
-            destination=held.destination), timeout=TIMEOUT_S)
-        yield _delta(rid, [reply.first_token])
-        yield _timing(rid, reply, held.ticket.decode_worker)
-        tokens, reason = 1, ""
-        if sampling.max_tokens > 1:
-            async for message in d.Decode(decode_pb2.DecodeRequest(
-                    ticket=held.ticket, prompt_token_ids=request.token_ids,
-                    first_token=reply.first_token, sampling=sampling), timeout=TIMEOUT_S):
-                if message.token_ids:
-                    tokens += len(message.token_ids)
-                    yield _delta(rid, message.token_ids)
-                if message.finish_reason:
-                    reason = message.finish_reason
+        r, p, d = self._turns.pick(request)
+        held = await d.Reserve(r.reserve, timeout=TIMEOUT_S)
+        reply = await p.Prefill(r.prefill(held), timeout=TIMEOUT_S)
+        sent, decode = r.started(held, reply)
+        for message in sent:
+            yield message
+        if decode is not None:
+            async for update in d.Decode(decode, timeout=TIMEOUT_S):
+                if (delta := r.relay(update)) is not None:
+                    yield delta
+                if r.reason:
                     break
-        yield _finish(rid, reason, len(request.token_ids), tokens)
+        yield r.finish()
 
 
 class SyncFloor(router_pb2_grpc.RouterServicer):
@@ -138,35 +150,21 @@ class SyncFloor(router_pb2_grpc.RouterServicer):
         if not self._slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, BUSY)
         try:
-            yield from self._generate(request)
+            r, p, d = self._turns.pick(request)
+            held = d.Reserve(r.reserve, timeout=TIMEOUT_S)
+            reply = p.Prefill(r.prefill(held), timeout=TIMEOUT_S)
+            sent, decode = r.started(held, reply)
+            yield from sent
+            for update in d.Decode(decode, timeout=TIMEOUT_S) if decode is not None else ():
+                if (delta := r.relay(update)) is not None:
+                    yield delta
+                if r.reason:
+                    break
+            yield r.finish()
         except grpc.RpcError as exc:
             context.abort(exc.code(), exc.details() or "")
         finally:
             self._slots.release()
-
-    def _generate(self, request: router_pb2.GenerateRequest
-                  ) -> Iterator[router_pb2.GenerateResponse]:
-        i, p, d = self._turns.pick()
-        rid = request.request_id or f"floor{i}"
-        reserve, sampling = _requests(request, rid)
-        held = d.Reserve(reserve, timeout=TIMEOUT_S)
-        reply = p.Prefill(prefill_pb2.PrefillRequest(
-            request_id=rid, token_ids=request.token_ids, sampling=sampling, ticket=held.ticket,
-            destination=held.destination), timeout=TIMEOUT_S)
-        yield _delta(rid, [reply.first_token])
-        yield _timing(rid, reply, held.ticket.decode_worker)
-        tokens, reason = 1, ""
-        if sampling.max_tokens > 1:
-            for message in d.Decode(decode_pb2.DecodeRequest(
-                    ticket=held.ticket, prompt_token_ids=request.token_ids,
-                    first_token=reply.first_token, sampling=sampling), timeout=TIMEOUT_S):
-                if message.token_ids:
-                    tokens += len(message.token_ids)
-                    yield _delta(rid, message.token_ids)
-                if message.finish_reason:
-                    reason = message.finish_reason
-                    break
-        yield _finish(rid, reason, len(request.token_ids), tokens)
 
 
 async def _serve_aio(args: argparse.Namespace) -> None:

@@ -4,9 +4,10 @@ A full collection (generation 2) walks every object the collector tracks, holdin
 so every request in flight in the process stalls until it ends. In the router in front of
 1,000 workers at 100 req/s that was four full collections in 25 s of 40-170 ms each, most
 finding no garbage at all: they walked what start-up built (the workers' channels and stubs,
-the tokenizer, imported modules); frozen, two in 20 s of ~2 ms each. `freeze_startup_heap()` moves everything alive once a
+the tokenizer, imported modules). `freeze_startup_heap()` moves everything alive once a
 service has started out of the collector's sight (`gc.freeze`, as vLLM and SGLang do after
-start-up); what it allocates later is still collected as before.
+start-up); what it allocates later is still collected as before. Frozen, the router's full
+collections took ~2 ms (docs/benchmarks.md).
 
 `gc_pauses` reports how long each collection held the process, per generation, on every
 /metrics endpoint (`pdserve_gc_pause_seconds`; `pdserve_gc_frozen_objects`): a latency spike
