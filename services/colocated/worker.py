@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pdserve.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from pdserve.common.handoff import Destination, TransferReport
@@ -50,6 +50,7 @@ class ColocatedWorker:
         self.epoch = time.time_ns() // 1000
         self.pool_id = "local"
         self.admitting = True
+        self.serving: Callable[[], bool] | None = None  # the server's health, once started
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.cache_feed = CacheFeed(loop)
         self.leases = LeaseBook(worker_id, self.epoch, EnginePages(loop), None,

@@ -227,6 +227,10 @@ class ServerHandle:
                 self._health.set(service, status)
         log.info("%s health: %s", self.name, "SERVING" if serving else "NOT_SERVING")
 
+    def serving(self) -> bool:
+        """What health Check answers now: SERVING (ready, not draining)."""
+        return bool(self._serving) and not self._stop_requested.is_set()
+
     def _follow_ready(self) -> None:
         failed_before = False
         while True:  # the first look at once: a service ready at start is SERVING at start

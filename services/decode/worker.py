@@ -66,6 +66,7 @@ class DecodeWorker:
         self.pool_id = ""
         self.agent_epoch = 0
         self.admitting = True
+        self.serving: Callable[[], bool] | None = None  # the server's health, once started
         self.metrics = WorkerMetrics(self.role, self.stats)
         self.cache_feed = CacheFeed(loop)
         self.leases: LeaseBook | None = None

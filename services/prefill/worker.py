@@ -63,6 +63,7 @@ class PrefillWorker:
         self.pool_id = ""
         self.epoch = time.time_ns() // 1000  # new at every start (cache events)
         self.admitting = True
+        self.serving: Callable[[], bool] | None = None  # the server's health, once started
         self._shipments: dict[str, Shipment | RankShipments] = {}
         self._lock = threading.Lock()
         self._parts = ThreadPoolExecutor(8, thread_name_prefix="kv-parts")

@@ -7,11 +7,11 @@ retired worker gets no new requests; the calls it has in flight (a Prefill, a re
 its Decode stream and Abort) finish, and its channel is closed after the last one. A worker
 whose address comes back is a member again (checked again first).
 
-A background thread checks every member each `interval_s` (grpc.health.v1 Check and the
-worker's Stats, both with a bounded timeout, all workers at once; a large pool in rolling
-slices, check_schedule.py). Between checks the router
-keeps the loads current itself: prompt tokens in flight per prefill worker, and each decode
-worker's cached Stats adjusted after every reservation it grants.
+A background thread checks every member each `interval_s` (its Stats, which say whether it is
+SERVING; grpc.health.v1 Check too for a worker whose Stats do not), each call bounded, all at
+once (a large pool in rolling slices: check_schedule.py). Between checks the router keeps the
+loads current itself: prompt tokens in flight per prefill worker, each decode worker's cached
+Stats adjusted after every reservation it grants.
 
 The per-request path takes the pool's lock for a few dictionary operations only: reading
 loads, and `acquire` / `release` around each call to a worker.
@@ -197,7 +197,7 @@ class WorkerPool:
                                    all(w.healthy for w in members), RECHECK_DOWN_S))
 
     def check_now(self, workers: list[Worker] | None = None) -> None:
-        """One round: health Check and Stats of `workers` (all members), in parallel, bounded."""
+        """One round: Stats (and Check, see `_ask`) of `workers` (all members), in parallel."""
         if workers is None:
             with self._lock:
                 workers = [w for w in self._workers.values() if w.member]
@@ -206,14 +206,20 @@ class WorkerPool:
             if call is None:
                 continue
             check, stat = call
+            fresh: common_pb2.WorkerStats | None = None
+            error = "not SERVING"
             try:
-                healthy, error = check.result().status == _SERVING, "not SERVING"
+                fresh = stat.result()
             except grpc.RpcError as exc:
-                healthy, error = False, f"{exc.code().name}: {exc.details()}"
-            try:
-                fresh: common_pb2.WorkerStats | None = stat.result()
-            except grpc.RpcError:
-                fresh = None
+                error = f"{exc.code().name}: {exc.details()}"
+            if check is None:  # Stats says what Check would; an older worker's: Check next round
+                healthy = fresh is not None and (fresh.serving if fresh.HasField("serving")
+                                                 else worker.healthy)
+            else:
+                try:
+                    healthy, error = check.result().status == _SERVING, "not SERVING"
+                except grpc.RpcError as exc:
+                    healthy, error = False, f"{exc.code().name}: {exc.details()}"
             with self._lock:
                 if worker.address in self._suspects:  # drawn again (or not) from now on
                     self._suspects.discard(worker.address)
@@ -246,13 +252,14 @@ class WorkerPool:
                      if w.member and w.healthy}
         return list(found.values())
 
-    def _ask(self, worker: Worker) -> tuple[grpc.Future, grpc.Future] | None:
-        """Start `worker`'s health Check and Stats calls; None when its channel was closed
-        since the round's snapshot (it left and its last call ended meanwhile)."""
+    def _ask(self, worker: Worker) -> tuple[grpc.Future | None, grpc.Future] | None:
+        """Start `worker`'s Stats call, and its health Check unless its last Stats said
+        `serving` (one call, not two); None when its channel closed since the round began."""
+        t = self.timeout_s
         try:
-            return (worker.health.Check.future(health_pb2.HealthCheckRequest(),
-                                               timeout=self.timeout_s),
-                    worker.stub.Stats.future(common_pb2.StatsRequest(), timeout=self.timeout_s))
+            check = None if worker.stats is not None and worker.stats.HasField("serving") \
+                else worker.health.Check.future(health_pb2.HealthCheckRequest(), timeout=t)
+            return check, worker.stub.Stats.future(common_pb2.StatsRequest(), timeout=t)
         except ValueError:  # grpc: "Cannot invoke RPC: Channel closed!"
             log.debug("%s worker %s left during a check round", worker.role, worker.address)
             return None

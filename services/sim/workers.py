@@ -146,7 +146,7 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
                     ) -> common_pb2.WorkerStats:
         self._sweep()
         live = sum(1 for h in self.held.values() if h.started)
-        return common_pb2.WorkerStats(worker_id=self.name, role="decode",
+        return common_pb2.WorkerStats(worker_id=self.name, role="decode", serving=True,
                                       num_pages=self.profile.num_pages,
                                       free_pages=self.free_pages, running_sequences=live,
                                       reserved_tickets=len(self.held) - live,
@@ -326,7 +326,7 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
 
     async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.WorkerStats:
-        return common_pb2.WorkerStats(worker_id=self.name, role="prefill",
+        return common_pb2.WorkerStats(worker_id=self.name, role="prefill", serving=True,
                                       num_pages=self.profile.num_pages,
                                       free_pages=self.profile.num_pages,
                                       running_sequences=int(self.computing.locked()),

@@ -30,10 +30,11 @@ log = logging.getLogger("pdserve.worker")
 
 class Worker(Protocol):
     """What start-up needs of a worker: its metrics, registration of its pool (with the
-    host's agent, where it has one), the drain switch, and stop."""
+    host's agent, where it has one), the drain switch, its health for Stats, and stop."""
 
     metrics: WorkerMetrics
     admitting: bool
+    serving: Callable[[], bool] | None
     pool_id: str
     cache_feed: CacheFeed
 
@@ -137,6 +138,7 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
                        ready=lambda: state.ready and not state.failed, grace_s=cfg.grace_s,
                        on_drain=worker_drain(worker), credentials=server_credentials(cfg))
         state.stop = handle.request_stop
+        worker.serving = handle.serving  # Stats says what health Check would
         if state.failed:
             handle.request_stop()
         if cfg.warmup:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -127,7 +127,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return _stats_to_pb(self.worker.stats())
+        return _stats_to_pb(self.worker.stats(), getattr(self.worker, "serving", None))
 
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
@@ -188,7 +188,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return _stats_to_pb(self.worker.stats())
+        return _stats_to_pb(self.worker.stats(), getattr(self.worker, "serving", None))
 
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
@@ -274,7 +274,11 @@ def _cache_events(worker: CacheSource, request: common_pb2.CacheEventsRequest,
         stream.close()
 
 
-def _stats_to_pb(stats: WorkerStats) -> common_pb2.WorkerStats:
+def _stats_to_pb(stats: WorkerStats, serving: Callable[[], bool] | None = None
+                 ) -> common_pb2.WorkerStats:
+    """`serving`: the server's health (set once it started); before that, not reported."""
     fields = dataclasses.asdict(stats)
     fields["fingerprint"] = wire.fingerprint_to_pb(stats.fingerprint)
+    if serving is not None:
+        fields["serving"] = serving()
     return common_pb2.WorkerStats(**fields)

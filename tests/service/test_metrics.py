@@ -68,6 +68,12 @@ def test_every_process_froze_its_start_up_heap_and_reports_its_collection_pauses
         assert scrape("pdserve_gc_pause_seconds_count", generation="0") > 0, name
 
 
+def test_every_worker_says_in_its_stats_that_it_is_serving(stack):
+    # what grpc.health.v1 Check says, so that the router reads one call per worker, not two
+    for stats in (stack.prefill_stats(), stack.decode_stats()):
+        assert stats.HasField("serving") and stats.serving, stats
+
+
 def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     before = scrape_all(stack)
     timings = []

@@ -81,15 +81,18 @@ def test_health_follows_ready_for_overall_and_each_service(started):
     assert handle.services == ["pdserve.v1.Router", "pdserve.v1.Decode"]
     assert check(channel) == NOT_SERVING
     assert check(channel, "pdserve.v1.Router") == NOT_SERVING
+    assert handle.serving() is False  # what a worker's Stats report as `serving`
     # Liveness (what Kubernetes' liveness probes ask) does not wait for readiness.
     assert check(channel, server.LIVENESS_SERVICE) == SERVING
     ready.set()
     wait_serving(f"127.0.0.1:{handle.port}", timeout_s=5)
     for service in ("", "pdserve.v1.Router", "pdserve.v1.Decode"):
         assert check(channel, service) == SERVING
+    assert handle.serving() is True
     ready.clear()  # readiness is followed for the server's life, not only at start
     assert wait_for(lambda: check(channel) == NOT_SERVING, timeout_s=5), \
         "health did not follow ready() back to NOT_SERVING"
+    assert handle.serving() is False
     assert check(channel, server.LIVENESS_SERVICE) == SERVING
 
 
@@ -136,6 +139,7 @@ def test_drain_finishes_in_flight_stream_then_stops(started):
     handle.request_stop()
     assert drained.wait(5)
     assert check(channel) == NOT_SERVING  # still answering, but out of rotation
+    assert handle.serving() is False
     assert check(channel, server.LIVENESS_SERVICE) == NOT_SERVING
     assert waiter.is_alive()              # waiting for the in-flight stream
     router.release.set()
