@@ -107,34 +107,35 @@ def _split(total: int, share: float) -> tuple[int, int, int, int]:
     return prefill - gone_p, decode - gone_d, gone_p, gone_d
 
 
-def _healthy(metrics_url: str) -> float:
-    """Workers the router counts healthy (both roles), from its /metrics."""
+def _samples(metrics_url: str, family: str) -> list[Any]:
+    """The samples of one metric family on the router's /metrics (raises OSError)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=2) as reply:
         text = reply.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "pdserve_workers_healthy" for s in f.samples)
+    return [s for f in text_string_to_metric_families(text) if f.name == family
+            for s in f.samples]
+
+
+def _healthy(metrics_url: str) -> float:
+    """Workers the router counts healthy (both roles), from its /metrics."""
+    return float(sum(s.value for s in _samples(metrics_url, "pdserve_workers_healthy")))
+
+
+GC_SLOTS = {"pdserve_gc_pause_seconds_count": 0, "pdserve_gc_pause_seconds_sum": 1}
 
 
 def _gc_pauses(metrics_url: str) -> dict[str, list[float]]:
     """The router's garbage-collection pauses so far, per generation: [collections, seconds]
     (pdserve_gc_pause_seconds); {} when it has no /metrics (a floor)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
-        with urllib.request.urlopen(metrics_url, timeout=2) as reply:
-            text = reply.read().decode()
+        samples = _samples(metrics_url, "pdserve_gc_pause_seconds")
     except OSError:
         return {}
     found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "pdserve_gc_pause_seconds":
-            continue
-        for s in family.samples:
-            slot = {"pdserve_gc_pause_seconds_count": 0, "pdserve_gc_pause_seconds_sum": 1}
-            if s.name in slot:
-                found.setdefault(s.labels["generation"], [0.0, 0.0])[slot[s.name]] = s.value
+    for s in samples:
+        if s.name in GC_SLOTS:
+            found.setdefault(s.labels["generation"], [0.0, 0.0])[GC_SLOTS[s.name]] = s.value
     return found
 
 
@@ -286,9 +287,8 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
         mark("end")
     (t0, r0, h0), (t1, r1, h1) = marks["start"], marks["end"]
     window.wall_s, window.router_cpu_s, window.harness_cpu_s = t1 - t0, r1 - r0, h1 - h0
-    window.router_gc = {gen: [n - pauses["start"].get(gen, [0.0, 0.0])[0],
-                              s - pauses["start"].get(gen, [0.0, 0.0])[1]]
-                        for gen, (n, s) in pauses.get("end", {}).items()}
+    window.router_gc = {gen: [a - b for a, b in zip(end, pauses["start"].get(gen, [0.0, 0.0]))]
+                        for gen, end in pauses.get("end", {}).items()}
     window.router_cores = len(router.cpus or os.sched_getaffinity(0))
     window.harness_cores = len(os.sched_getaffinity(0))
     window.vanished = args.workers - survivors if vanish is not None else 0
