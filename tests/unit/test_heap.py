@@ -49,7 +49,10 @@ def test_freezing_the_start_up_heap_exempts_what_is_alive_and_says_how_much(capl
         assert frozen >= len(alive) and gc.get_freeze_count() >= len(alive)
         walked = {id(x) for x in gc.get_objects()}  # every generation the collector walks
         assert not any(id(x) in walked for x in alive)
-        assert _samples()[("pdserve_gc_frozen_objects", ())] == gc.get_freeze_count()
+        # the gauge reads the count when scraped; frozen objects freed since (other threads
+        # run in a test process) leave it, so it lies between the count frozen and the count now
+        reported = _samples()[("pdserve_gc_frozen_objects", ())]
+        assert len(alive) <= gc.get_freeze_count() <= reported <= frozen
         assert f"router: {frozen} start-up objects frozen" in caplog.text
     finally:
         gc.unfreeze()  # the rest of the test process collects as before
