@@ -27,15 +27,19 @@ __all__ = ["free_port", "wait_serving", "wait_for", "ServiceProcess", "running",
 
 
 class ServiceProcess:
-    """One `pdserve ...` (or any python -m) process, logs captured to a temp file."""
+    """One `pdserve ...` (or any python -m) process, logs captured to a temp file that `stop`
+    reads into memory and removes (its output stays readable after)."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-test-", suffix=".log", delete=False)
+        self._final_output: str | None = None
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(list(argv), stdout=self.log, stderr=subprocess.STDOUT,
                                      env=full_env, start_new_session=True)
 
     def output(self) -> str:
+        if self._final_output is not None:
+            return self._final_output
         return Path(self.log.name).read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
@@ -52,6 +56,10 @@ class ServiceProcess:
                 self.proc.wait(timeout=timeout_s)
         # Reap anything else left in the group.
         self.signal(signal.SIGKILL)
+        if self._final_output is None:
+            self._final_output = self.output()
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 
@@ -72,7 +80,6 @@ def running(argv: Sequence[str], address: str | None = None, env: dict[str, str]
         yield sp
     finally:
         sp.stop()
-        Path(sp.log.name).unlink(missing_ok=True)
 
 
 def pdserve_argv(*args: str) -> list[str]:

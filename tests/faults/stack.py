@@ -142,8 +142,8 @@ class FaultStack:
 
     def _retire_log(self, node: Node) -> None:
         if node.proc is not None:
+            node.proc.stop()  # its log file read into memory and removed
             node.logs.append(node.proc.output())
-            Path(node.proc.log.name).unlink(missing_ok=True)
             node.proc = None
 
     def close(self) -> None:

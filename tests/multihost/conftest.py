@@ -113,7 +113,6 @@ def two_host_stack(hosts: dict[str, tuple[str, str, str, str, str]], transport: 
     finally:
         for p in reversed(running):
             p.stop()
-            Path(p.log.name).unlink(missing_ok=True)
 
 
 def logs_of(running: list[ServiceProcess]) -> str:
@@ -183,7 +182,6 @@ def pool_stack(network: Network, transport: str, model_dir: Path, *, router: str
     finally:
         for p in reversed(stack.processes.values()):
             p.stop()
-            Path(p.log.name).unlink(missing_ok=True)
             # A killed worker could not unlink its pool segment: as the kubelet wipes a dead
             # pod's emptyDir, the harness that killed it removes it.
             for name in leftover_segments(p.proc.pid):

@@ -8,7 +8,6 @@ import signal
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -97,7 +96,6 @@ def test_a_restarted_worker_starts_empty_in_the_index(tiny_model_dir, tmp_path):
                 _restart_and_check(addr, ports, first, decode)
     finally:
         first.stop()
-        Path(first.log.name).unlink(missing_ok=True)
 
 
 def _restart_and_check(addr: dict[str, str], ports: dict[str, int], first: ServiceProcess,

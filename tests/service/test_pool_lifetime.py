@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -77,4 +76,3 @@ def test_kill_9_of_a_worker_or_its_agent_leaves_no_segment_behind(tiny_model_dir
     finally:
         for proc in reversed(procs):
             proc.stop()
-            Path(proc.log.name).unlink(missing_ok=True)
