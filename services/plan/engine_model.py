@@ -130,6 +130,7 @@ class EngineSim:
         self._context = 0              # context tokens of the running sequences
         self._finishing: dict[int, list[Job]] = {}
         self.busy_ms = 0.0
+        self._idle_since: float | None = None  # when its last step ended (None: none yet)
 
     # ---- what the router sees ---------------------------------------------------------
     @property
@@ -179,8 +180,15 @@ class EngineSim:
         self.joining.clear()
         plan = self._plan(now)
         if not plan and not self.running:
+            if self.stepping:
+                self._idle_since = now
             self.stepping = False
             return
+        if not self.stepping:  # woken from idle: the first step starts that much later
+            wake = self.profile.wake_ms(None if self._idle_since is None
+                                        else now - self._idle_since)
+            now += wake
+            self.busy_ms += wake
         self.stepping = True
         speedup = self.params.speedup
         if not plan and not self.waiting:

@@ -6,6 +6,9 @@ a small sweep are correlated, so an unconstrained fit can price a feature below 
 negative cost per token), which would make a simulated step faster the more it holds. A
 coefficient that comes out negative is fixed at 0 and the others are fitted again, until none
 is (an active-set solution of non-negative least squares, enough for three features).
+
+The wake after idleness is not linear in its two parameters (`SimProfile.wake_ms`):
+`fit_wake` scans the half-way gap on a log grid and takes the best amplitude for each.
 """
 
 from __future__ import annotations
@@ -56,3 +59,23 @@ def fit_nonnegative(features: Sequence[Sequence[float]], measured: Sequence[floa
     predicted = x @ coefficients
     return Fit([float(c) for c in coefficients], [float(p) for p in predicted],
                [float(m) for m in y])
+
+
+def fit_wake(gaps_ms: Sequence[float], excess_ms: Sequence[float]) -> Fit:
+    """[idle_wake_ms, idle_wake_half_ms] minimising the squared error of
+    `wake * g / (g + half)` against the measured excess of a step after `g` ms idle; an
+    excess that is never positive gives a wake of 0."""
+    if not gaps_ms or len(gaps_ms) != len(excess_ms) or min(gaps_ms) <= 0:
+        raise ValueError(f"{len(gaps_ms)} idle gaps (> 0 ms) for {len(excess_ms)} excesses")
+    g = np.asarray(gaps_ms, dtype=float)
+    y = np.asarray(excess_ms, dtype=float)
+    best = (float(np.sum(y * y)), 0.0, 10.0)
+    for half in np.geomspace(0.1, 10.0 * g.max(), 400):
+        f = g / (g + half)
+        wake = max(0.0, float(f @ y / (f @ f)))
+        error = float(np.sum((y - wake * f) ** 2))
+        if error < best[0]:
+            best = (error, wake, float(half))
+    _, wake, half = best
+    predicted = wake * g / (g + half)
+    return Fit([wake, half], [float(p) for p in predicted], [float(m) for m in y])

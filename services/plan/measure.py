@@ -8,7 +8,10 @@ threads), and times its steps:
 - decode: steps of b sequences with C tokens of context each, for every b of --decode-batches
   and C of --contexts;
 - handoff: a memory copy of KV bytes (the same-host path is one copy), for its GB/s; its base
-  (the RPC round trips around it) is --handoff-base-ms, as `pdserve bench handoff` reports it.
+  (the RPC round trips around it) is --handoff-base-ms, as `pdserve bench handoff` reports it;
+- waking: a step of the shortest prompt after the engine sat idle for each of --idle-gaps ms,
+  against the same step right after another: what a worker's first step after a quiet spell
+  costs beyond its model (cold caches, a sleeping core), fitted as `SimProfile.wake_ms`.
 
 Each point is the median of --repeats steps. The step-time models of `pdserve.sim.profile` are
 fitted to them by least squares (no negative cost) and written as a profile JSON that
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.models import DEFAULT_MODEL
-from pdserve.plan.fit import Fit, fit_nonnegative
+from pdserve.plan.fit import Fit, fit_nonnegative, fit_wake
 from pdserve.plan.replay import Check, check
 from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
@@ -61,6 +64,8 @@ class ProfileConfig:
     contexts: tuple[str, ...] = option(("64", "512"), "context tokens of each decoding "
                                                       "sequence")
     repeats: int = option(5, "steps timed per point (their median counts)")
+    idle_gaps: tuple[str, ...] = option(("2", "10", "50", "200"),
+                                        "idle spells (ms) before the steps that time waking")
     handoff_base_ms: float = option(0.5, "fixed cost of one KV handoff (RPCs), ms")
     check: str = option("", "then replay this workload (pdserve bench serve's --workload "
                             "syntax) through the engine, co-located with the workers' default "
@@ -72,7 +77,8 @@ class ProfileConfig:
     points_json: str = option("", "also write the measured points and the fit here")
 
     def __post_init__(self) -> None:
-        for name in ("prompt_lengths", "prefill_batches", "decode_batches", "contexts"):
+        for name in ("prompt_lengths", "prefill_batches", "decode_batches", "contexts",
+                     "idle_gaps"):
             values = getattr(self, name)
             require(bool(values) and all(v.isdigit() and int(v) > 0 for v in values), name,
                     values, "positive integers, comma-separated")
@@ -109,17 +115,32 @@ class Timer:
                                                              temperature=0.0, ignore_eos=True))
         return seq_id
 
+    def _prefill_step_ms(self, length: int, batch: int) -> float:
+        for _ in range(batch):
+            self._add(length, 1)
+        start = time.perf_counter()
+        self.engine.step()
+        ms = (time.perf_counter() - start) * 1e3
+        assert not self.engine.has_work(), "a prefill point took more than one step"
+        return ms
+
     def prefill_ms(self, length: int, batch: int) -> float:
         """Median ms of one step computing `batch` whole prompts of `length`, alone."""
-        times = []
+        return statistics.median(self._prefill_step_ms(length, batch)
+                                 for _ in range(self.repeats))
+
+    def after_idle_ms(self, length: int, gaps_ms: list[int]) -> tuple[float, dict[int, float]]:
+        """Median ms of a step of one prompt of `length` right after another (back to back),
+        and after the engine sat idle for each of `gaps_ms` (the gaps taken in turn, each
+        followed by a back-to-back step, `repeats` times)."""
+        warm: list[float] = []
+        after: dict[int, list[float]] = {gap: [] for gap in gaps_ms}
         for _ in range(self.repeats):
-            for _ in range(batch):
-                self._add(length, 1)
-            start = time.perf_counter()
-            self.engine.step()
-            times.append((time.perf_counter() - start) * 1e3)
-            assert not self.engine.has_work(), "a prefill point took more than one step"
-        return statistics.median(times)
+            for gap in gaps_ms:
+                time.sleep(gap / 1e3)
+                after[gap].append(self._prefill_step_ms(length, 1))
+                warm.append(self._prefill_step_ms(length, 1))
+        return statistics.median(warm), {g: statistics.median(t) for g, t in after.items()}
 
     def decode_ms(self, batch: int, context: int) -> list[tuple[int, float]]:
         """(context tokens in all, ms) of `repeats` decode steps of `batch` sequences whose
@@ -160,15 +181,22 @@ class Measured:
     decode: list[dict[str, float]]   # batch, context_tokens, ms
     prefill_fit: Fit
     decode_fit: Fit
+    idle: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # gap_ms, ms, back_to_back_ms, excess_ms
+    idle_fit: Fit | None = None  # [idle_wake_ms, idle_wake_half_ms]; None: no idle points
 
 
-def fit_points(prefill: list[dict[str, float]], decode: list[dict[str, float]]) -> Measured:
+def fit_points(prefill: list[dict[str, float]], decode: list[dict[str, float]],
+               idle: list[dict[str, float]] | None = None) -> Measured:
     """The profile's step models fitted to the measured points."""
     prefill_fit = fit_nonnegative([[1.0, p["tokens"], p["attended"]] for p in prefill],
                                   [p["ms"] for p in prefill])
     decode_fit = fit_nonnegative([[1.0, d["batch"], d["context_tokens"]] for d in decode],
                                  [d["ms"] for d in decode])
-    return Measured(prefill, decode, prefill_fit, decode_fit)
+    idle = idle or []
+    idle_fit = fit_wake([i["gap_ms"] for i in idle], [i["excess_ms"] for i in idle]) \
+        if idle else None
+    return Measured(prefill, decode, prefill_fit, decode_fit, idle, idle_fit)
 
 
 def measure(cfg: ProfileConfig, progress: bool = True) -> tuple[SimProfile, Measured]:
@@ -217,20 +245,28 @@ def measure(cfg: ProfileConfig, progress: bool = True) -> tuple[SimProfile, Meas
                 decode.append({"batch": batch, "context_tokens": total, "ms": ms})
                 if progress:
                     print(f"decode {batch} x {context} context: {ms:.2f} ms", file=sys.stderr)
+        warm, after = timer.after_idle_ms(min(lengths), _ints(cfg.idle_gaps))
+        idle = [{"gap_ms": gap, "ms": ms, "back_to_back_ms": warm, "excess_ms": ms - warm}
+                for gap, ms in after.items()]
+        if progress:
+            print(f"1 x {min(lengths)} tokens after idle " + ", ".join(
+                f"{gap} ms: {ms:.2f}" for gap, ms in after.items())
+                  + f" (back to back {warm:.2f}) ms", file=sys.stderr)
         fingerprint = engine.model.fingerprint(cfg.block_size)
         worker_pool = pool_plan(engine.model, "decode", cfg.block_size)
         gb_s = copy_gb_s(fingerprint.page_bytes, cfg.device)
     finally:
         engine.close()
-    measured = fit_points(prefill, decode)
+    measured = fit_points(prefill, decode, idle)
     p, d = measured.prefill_fit.coefficients, measured.decode_fit.coefficients
+    wake, half = measured.idle_fit.coefficients if measured.idle_fit else (0.0, 10.0)
     profile = SimProfile(
         prefill_base_ms=p[0], prefill_ms_per_token=p[1], prefill_ms_per_attended_token=p[2],
         decode_base_ms=d[0], decode_ms_per_seq=d[1], decode_ms_per_attended_token=d[2],
         handoff_base_ms=cfg.handoff_base_ms, handoff_gb_s=gb_s,
         kv_bytes_per_token=fingerprint.page_bytes // cfg.block_size,
         block_size=cfg.block_size, num_pages=worker_pool.num_pages,
-        max_model_len=worker_pool.max_model_len,
+        max_model_len=worker_pool.max_model_len, idle_wake_ms=wake, idle_wake_half_ms=half,
         devices_per_worker=1.0 if cfg.device.startswith("cuda") else float(threads))
     return profile, measured
 
@@ -246,6 +282,14 @@ def report(measured: Measured) -> str:
                                   measured.decode_fit.relative_errors):
         what = f"{point['batch']:.0f} seqs, {point['context_tokens']:.0f} ctx"
         lines.append(f"  {what:<22} {point['ms']:>11.2f} {fitted:>10.2f} {err:>6.0%}")
+    if measured.idle_fit is not None:
+        wake, half = measured.idle_fit.coefficients
+        lines.append(f"after idle               measured ms  excess ms  fitted  (wake "
+                     f"{wake:.2f} ms, half of it after {half:.1f} ms idle)")
+        for point, fitted in zip(measured.idle, measured.idle_fit.predicted):
+            what = f"{point['gap_ms']:.0f} ms idle"
+            lines.append(f"  {what:<22} {point['ms']:>11.2f} {point['excess_ms']:>10.2f} "
+                         f"{fitted:>7.2f}")
     return "\n".join(lines)
 
 
@@ -284,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             "prefill": measured.prefill, "decode": measured.decode,
             "prefill_fit": dataclasses.asdict(measured.prefill_fit),
             "decode_fit": dataclasses.asdict(measured.decode_fit),
+            "idle": measured.idle,
+            "idle_fit": dataclasses.asdict(measured.idle_fit) if measured.idle_fit else None,
             "check": checked.as_dict() if checked is not None else None}, indent=1))
     return 0
 

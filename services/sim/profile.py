@@ -17,8 +17,15 @@ serving worker's loop, output dispatch and streaming add to each step), `shared_
 and `shared_cores` (processes beside the workers on their cores, such as a router and clients
 on the same machine, spending that much CPU per output token: every step is slower by
 1 / (1 - their share of the `shared_cores`); 0: not modelled), `tp_efficiency` (a worker with
-tensor parallelism N runs its steps 1 + tp_efficiency (N - 1) times faster; 0: not modelled)
-and `devices_per_worker` (the cores or GPUs one worker of TP 1 uses, for goodput per device).
+tensor parallelism N runs its steps 1 + tp_efficiency (N - 1) times faster; 0: not modelled),
+`devices_per_worker` (the cores or GPUs one worker of TP 1 uses, for goodput per device), and
+`idle_wake_ms` with `idle_wake_half_ms`: the first step after a worker was idle for g ms takes
+longer by
+
+    wake_ms(g)           = idle_wake_ms * g / (g + idle_wake_half_ms)
+
+(its weights and caches gone cold, its core asleep: on the 2-vCPU guests here a 32-token
+step of bench-7m took ~5 ms back to back and ~10 ms after 50 ms idle; 0: not modelled).
 
 The defaults are the bench-7m model's on a 2-vCPU AMD EPYC (Zen 5) with both cores: ~60 ms
 for a 960-token prompt, ~4 ms for a decode step of a few sequences, the same-host handoff.
@@ -55,6 +62,8 @@ class SimProfile:
     step_overhead_ms: float = 0.0
     shared_cpu_ms_per_token: float = 0.0
     shared_cores: float = 0.0
+    idle_wake_ms: float = 0.0
+    idle_wake_half_ms: float = 10.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -62,7 +71,7 @@ class SimProfile:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"profile field {f.name}={value!r}: expected a number >= 0")
         for name in ("handoff_gb_s", "block_size", "num_pages", "max_model_len",
-                     "devices_per_worker"):
+                     "devices_per_worker", "idle_wake_half_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"profile field {name}={getattr(self, name)!r}: expected > 0")
 
@@ -102,6 +111,15 @@ class SimProfile:
             return 0.0
         return min(0.9, output_tokens_per_s * self.shared_cpu_ms_per_token
                    / (1e3 * self.shared_cores))
+
+    def wake_ms(self, idle_ms: float | None) -> float:
+        """What the first step after `idle_ms` of idleness (None: none before it) adds."""
+        if not self.idle_wake_ms:
+            return 0.0
+        if idle_ms is None:
+            return self.idle_wake_ms
+        idle_ms = max(0.0, idle_ms)
+        return self.idle_wake_ms * idle_ms / (idle_ms + self.idle_wake_half_ms)
 
     def tp_speedup(self, tp: int) -> float:
         """How many times faster a worker with tensor parallelism `tp` steps (1 + tp_efficiency

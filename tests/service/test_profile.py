@@ -1,5 +1,6 @@
 """`pdserve profile` on the tiny built-in model: the real engine timed in this process, the
-profile written, loadable by `pdserve plan`, and its models reproducing the measured steps."""
+profile written, loadable by `pdserve plan`, and its models reproducing the measured steps
+(and the first steps after idle spells)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,15 @@ def test_profile_measures_fits_and_writes_a_loadable_profile(tiny_model_dir, tmp
     errors = [abs(f - p["ms"]) / p["ms"] for kind in ("prefill", "decode")
               for p, f in zip(doc[kind], doc[f"{kind}_fit"]["predicted"])]
     assert statistics.median(errors) <= FIT_TOLERANCE, errors
+    # a step after each idle spell, against one back to back: the wake written is their fit
+    assert [i["gap_ms"] for i in doc["idle"]] == [2, 10, 50, 200]
+    assert [profile.idle_wake_ms, profile.idle_wake_half_ms] == doc["idle_fit"]["coefficients"]
+    for point, fitted in zip(doc["idle"], doc["idle_fit"]["predicted"]):
+        assert point["excess_ms"] == pytest.approx(point["ms"] - point["back_to_back_ms"])
+        assert profile.wake_ms(point["gap_ms"]) == pytest.approx(fitted, rel=1e-9)
     printed = capsys.readouterr().out
-    assert "prefill step" in printed and "check: 12 requests at 20 req/s" in printed
+    assert "prefill step" in printed and "ms idle" in printed
+    assert "check: 12 requests at 20 req/s" in printed
     # the replay through the engine and the simulator on the new profile: the same order of
     # magnitude (a sanity bound; accuracy on a quiet machine is in docs/planning.md)
     check = doc["check"]

@@ -193,6 +193,25 @@ def test_step_ms_splits_a_prompt_into_chunks_at_the_same_attention_cost():
     assert p.step_ms(3, 90, [(0, 10)]) == pytest.approx(3.0 + 0.6 + 0.055 + 0.3 + 0.18)
 
 
+def test_the_first_step_after_idleness_pays_the_wake_and_a_busy_worker_does_not():
+    waking = SimProfile(**{**PROFILE.__dict__, "idle_wake_ms": 4.0, "idle_wake_half_ms": 10.0})
+    assert waking.wake_ms(None) == 4.0 and waking.wake_ms(10.0) == pytest.approx(2.0)
+    assert PROFILE.wake_ms(None) == PROFILE.wake_ms(1e6) == 0.0  # not modelled: no change
+    colocated = Deployment("colocated", 0, 1)
+    first, second, third = run(colocated, (0.0, 100, 1), (50.0, 100, 1), (51.0, 100, 1),
+                               profile=waking)
+    # a cold start wakes fully: 4 + prefill 2 + 10; idle 16..50 = 34 ms: 4 x 34 / 44 more
+    assert first.ttft_ms == pytest.approx(16.0)
+    assert second.ttft_ms == pytest.approx(4 * 34 / 44 + 12.0)
+    # the third arrives while the second computes: queued, no wake (ends at 50 + 3.09 + 24)
+    assert third.ttft_ms == pytest.approx(50.0 + 4 * 34 / 44 + 24.0 - 51.0)
+    (alone,) = run(DISAGG, (0.0, 300, 4), profile=waking)
+    # both workers start cold: the prefill 4 + 32, handoff 1.3; the decode worker's first
+    # token came with the handoff, its three steps start after its own wake of 4
+    assert alone.ttft_ms == pytest.approx(37.3)
+    assert alone.e2e_ms == pytest.approx(37.3 + 4.0 + 18.0)
+
+
 def test_profile_file_with_the_new_fields_loads(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"decode_ms_per_attended_token": 0.001, "devices_per_worker": 2}))

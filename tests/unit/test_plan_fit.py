@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.plan.fit import fit_nonnegative
+from pdserve.plan.fit import fit_nonnegative, fit_wake
 from pdserve.plan.measure import fit_points
 
 pytestmark = pytest.mark.unit
@@ -35,3 +35,14 @@ def test_profile_models_are_fitted_from_prefill_and_decode_points():
     measured = fit_points(prefill, decode)
     assert measured.prefill_fit.coefficients == pytest.approx([1.0, 0.01, 1e-5], rel=1e-6)
     assert measured.decode_fit.coefficients == pytest.approx([3.0, 0.2, 0.001], rel=1e-6)
+
+
+def test_the_wake_after_idleness_is_fitted_from_its_excess_per_gap():
+    gaps = [2.0, 10.0, 50.0, 200.0]
+    fit = fit_wake(gaps, [5.0 * g / (g + 20.0) for g in gaps])
+    assert fit.coefficients == pytest.approx([5.0, 20.0], rel=0.02)
+    assert fit.predicted == pytest.approx(fit.measured, abs=0.02)
+    # no step slower after idling than back to back: nothing to model
+    assert fit_wake(gaps, [-0.1, 0.0, -0.2, 0.05]).coefficients[0] == pytest.approx(0.0, abs=0.05)
+    with pytest.raises(ValueError):
+        fit_wake([0.0, 10.0], [1.0, 2.0])
