@@ -90,6 +90,9 @@ class ProfileConfig:
         require(self.handoff_base_ms >= 0, "handoff_base_ms", self.handoff_base_ms, ">= 0")
 
 
+WARM_MS = 50.0  # busy time before each idle spell timed
+
+
 def _ints(values: tuple[str, ...]) -> list[int]:
     return sorted({int(v) for v in values})
 
@@ -131,15 +134,21 @@ class Timer:
 
     def after_idle_ms(self, length: int, gaps_ms: list[int]) -> tuple[float, dict[int, float]]:
         """Median ms of a step of one prompt of `length` right after another (back to back),
-        and after the engine sat idle for each of `gaps_ms` (the gaps taken in turn, each
-        followed by a back-to-back step, `repeats` times)."""
+        and after the engine sat idle for each of `gaps_ms`, `repeats` times. Before each
+        idle spell the engine steps for `WARM_MS` (and at least 3 steps): how fast a step is
+        depends on how long the engine has been busy, not only on the last spell (a 2 ms spell
+        two steps after a 200 ms one gave steps twice as long as back to back)."""
         warm: list[float] = []
         after: dict[int, list[float]] = {gap: [] for gap in gaps_ms}
         for _ in range(self.repeats):
             for gap in gaps_ms:
+                busy, steps = 0.0, 0
+                while busy < WARM_MS or steps < 3:
+                    ms = self._prefill_step_ms(length, 1)
+                    busy, steps = busy + ms, steps + 1
+                warm.append(ms)
                 time.sleep(gap / 1e3)
                 after[gap].append(self._prefill_step_ms(length, 1))
-                warm.append(self._prefill_step_ms(length, 1))
         return statistics.median(warm), {g: statistics.median(t) for g, t in after.items()}
 
     def decode_ms(self, batch: int, context: int) -> list[tuple[int, float]]:

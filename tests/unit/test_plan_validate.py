@@ -223,3 +223,26 @@ def test_the_prefill_workers_own_time_alone_beyond_the_profile_is_their_step_ove
         "measured": {"ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0},
         "error": {"ttft_p50": 0.0, "tpot_p50": 0.0}, "within_target": True,
         "calibration": {"requests": 8, **found}}])
+
+
+def test_the_stacks_are_predicted_without_the_wake_the_engine_alone_showed():
+    waking = replace(PROFILE, idle_wake_ms=4.0, idle_wake_half_ms=10.0)
+    still = validate.without_wake(Profiles(waking, waking, None))
+    assert still.default.idle_wake_ms == still.prefill.idle_wake_ms == 0.0
+    assert still.decode is None and still.default.prefill_base_ms == PROFILE.prefill_base_ms
+    alone = Latencies(20.0, 7.0)
+
+    def run(dep, rate):
+        return alone, [Latencies(30.0, 8.0)]
+
+    dep, w, rate = Deployment("colocated", 0, 1), Workload("fixed:100,10"), 20.0
+    out = validate.validate([dep], w, Profiles(waking), rate, 40, run)
+
+    def predicted(profiles: Profiles) -> float | None:
+        calibrated, _ = validate.calibrate(dep, w, profiles, alone)
+        return predict(dep, w, calibrated, rate, count=40).ttft_p50_ms
+
+    assert out[0]["predicted"]["ttft_p50_ms"] == pytest.approx(predicted(still))
+    # charged, the wake would have changed the prediction (the calibration's requests wake
+    # fully, the measured ones, arriving while others run, not all)
+    assert abs(predicted(Profiles(waking)) - predicted(still)) > 0.5
