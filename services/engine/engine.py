@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
 
 import torch
 from pdserve.common.layout import pages_for_tokens
@@ -42,6 +43,22 @@ from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, make_generator, sample
 from pdserve.engine.sequence import HandoffHooks, Sequence, Status, StepOutput
 from pdserve.engine.tp import Ranks
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed and how long it took (model, sampling), for `Engine.on_step`."""
+
+    decodes: int        # sequences that decoded a token
+    prompt_tokens: int  # prompt tokens computed (chunks of waiting sequences)
+    seconds: float
+
+    @property
+    def kind(self) -> str:
+        """decode (decodes only), prefill (prompt chunks only) or mixed."""
+        if self.decodes and self.prompt_tokens:
+            return "mixed"
+        return "decode" if self.decodes else "prefill"
 
 
 class Engine:
@@ -65,6 +82,7 @@ class Engine:
         self.stalled = False  # the last step found work but could run none of it
         self.num_preemptions = 0  # running sequences sent back to be recomputed (out of pages)
         self.handoff: HandoffHooks | None = None  # prefill role: the handoff starts early
+        self.on_step: Callable[[StepShape], None] | None = None  # after every step (metrics)
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -314,6 +332,8 @@ class Engine:
             if seqs else []
         end = time.perf_counter()
         ms = (end - start) * 1e3
+        if self.on_step is not None:
+            self.on_step(StepShape(len(decodes), sum(n for _, n in plan), end - start))
         outputs: list[StepOutput] = []
         for seq, token in zip(decodes, tokens):
             seq.num_cached = seq.num_tokens

@@ -144,6 +144,16 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
         assert after[name]("pdserve_running_sequences", role=role) == 0
         assert after[name]("pdserve_waiting_sequences", role=role) == 0
     assert after["decode-0"]("pdserve_reserved_tickets", role="decode") == 0
+    # engine steps: one prompt step per request on the prefill worker; on the decode worker a
+    # step of one sequence per token after the first (the prefill worker sampled that one)
+    assert moved("prefill-0", "pdserve_engine_step_seconds_count", kind="prefill") == N
+    assert moved("prefill-0", "pdserve_engine_step_seconds_sum", kind="prefill") > 0
+    decode_steps = N * (MAX_TOKENS - 1)
+    assert moved("decode-0", "pdserve_engine_step_seconds_count", kind="decode") == decode_steps
+    assert moved("decode-0", "pdserve_engine_step_sequences_count") == decode_steps
+    assert moved("decode-0", "pdserve_engine_step_sequences_sum") == decode_steps
+    for kind in ("prefill", "mixed"):
+        assert moved("decode-0", "pdserve_engine_step_seconds_count", kind=kind) == 0, kind
 
 
 def test_cancelled_stream_is_counted_once_and_frees_its_pages(stack):

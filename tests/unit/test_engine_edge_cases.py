@@ -156,3 +156,20 @@ def test_a_prefill_engine_tells_its_handoff_before_the_last_chunk_and_once_its_k
                                ("prefilled", "long", pages, len(prompt) + 1)]
     finally:
         engine.close()
+
+
+def test_every_step_is_reported_with_what_it_computed(tiny):
+    engine = _engine(tiny, num_pages=16)
+    steps = []
+    engine.on_step = steps.append
+    try:
+        engine.add_request("a", list(range(5, 25)), GREEDY)
+        engine.step()                       # a's whole prompt
+        engine.add_request("b", list(range(5, 15)), GREEDY)
+        engine.step()                       # a decodes beside b's prompt
+        engine.step()                       # both decode
+        assert [(s.kind, s.decodes, s.prompt_tokens) for s in steps] == [
+            ("prefill", 0, 20), ("mixed", 1, 10), ("decode", 2, 0)]
+        assert all(s.seconds > 0 for s in steps)
+    finally:
+        engine.close()
