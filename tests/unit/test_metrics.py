@@ -34,7 +34,9 @@ def test_every_metric_is_prefixed_and_carries_its_unit():
         for family in registry.collect():
             assert family.name.startswith("pdserve_"), family.name
             if family.type == "histogram":
-                assert family.name.endswith(("_seconds", "_gb_per_second")), family.name
+                # a time, a rate, or a count of things named in the plural (the decode batch)
+                assert family.name.endswith(("_seconds", "_gb_per_second", "_sequences")), \
+                    family.name
             names.add(family.name)
     for expected in ("pdserve_ttft_seconds", "pdserve_queue_seconds", "pdserve_prefill_seconds",
                      "pdserve_kv_transfer_seconds", "pdserve_decode_start_seconds",
@@ -42,7 +44,8 @@ def test_every_metric_is_prefixed_and_carries_its_unit():
                      "pdserve_requests", "pdserve_kv_pages_free", "pdserve_kv_pages_used",
                      "pdserve_waiting_sequences", "pdserve_kv_transfer_bytes",
                      "pdserve_kv_handoff_seconds", "pdserve_kv_transfer_gb_per_second",
-                     "pdserve_kv_transfer_failures"):
+                     "pdserve_kv_transfer_failures", "pdserve_engine_step_seconds",
+                     "pdserve_engine_step_sequences"):
         assert expected in names
 
 
