@@ -190,8 +190,8 @@ class Measured:
     decode: list[dict[str, float]]   # batch, context_tokens, ms
     prefill_fit: Fit
     decode_fit: Fit
-    idle: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # gap_ms, ms, back_to_back_ms, excess_ms
+    idle: list[dict[str, float]] = dataclasses.field(default_factory=list)
     idle_fit: Fit | None = None  # [idle_wake_ms, idle_wake_half_ms]; None: no idle points
 
 
@@ -202,10 +202,9 @@ def fit_points(prefill: list[dict[str, float]], decode: list[dict[str, float]],
                                   [p["ms"] for p in prefill])
     decode_fit = fit_nonnegative([[1.0, d["batch"], d["context_tokens"]] for d in decode],
                                  [d["ms"] for d in decode])
-    idle = idle or []
     idle_fit = fit_wake([i["gap_ms"] for i in idle], [i["excess_ms"] for i in idle]) \
         if idle else None
-    return Measured(prefill, decode, prefill_fit, decode_fit, idle, idle_fit)
+    return Measured(prefill, decode, prefill_fit, decode_fit, idle or [], idle_fit)
 
 
 def measure(cfg: ProfileConfig, progress: bool = True) -> tuple[SimProfile, Measured]:

@@ -55,6 +55,7 @@ class CacheSource(Protocol):
 
 class PrefillBackend(CacheSource, Protocol):
     model_id: str
+    serving: Callable[[], bool] | None  # the server's health, once started (for Stats)
 
     def prefill(self, request: PrefillRequest, cancelled: threading.Event) -> PrefillResult: ...
 
@@ -67,6 +68,7 @@ class DecodeBackend(CacheSource, Protocol):
     model_id: str
     role: str  # "decode" or "colocated"
     admitting: bool  # False once draining
+    serving: Callable[[], bool] | None  # the server's health, once started (for Stats)
     metrics: WorkerMetrics
 
     def reserve(self, request_id: str, num_prompt_tokens: int, lease_s: float,
@@ -127,7 +129,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return _stats_to_pb(self.worker.stats(), getattr(self.worker, "serving", None))
+        return _stats_to_pb(self.worker.stats(), self.worker.serving)
 
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
@@ -188,7 +190,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return _stats_to_pb(self.worker.stats(), getattr(self.worker, "serving", None))
+        return _stats_to_pb(self.worker.stats(), self.worker.serving)
 
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
