@@ -13,13 +13,17 @@ of `router/placement.py` (fed the loads the router would see, exactly and withou
   decode worker admits the sequence between two of its steps once the KV has landed.
 
 Every request's TTFT also carries `request_overhead_ms` (router and RPCs) from the decode or
-co-located workers' profile.
+co-located workers' profile, and, where the default profile prices a router's CPU
+(`SimProfile.router_ms`), its wait for one of the deployment's `routers`: each request holds a
+router core for its CPU, in arrival order, and waits while all of them are taken (the
+`request_overhead_ms` measured alone holds the CPU already: only the wait is added).
 Prefill and decode workers may have profiles of their own (`Profiles`: other hardware, or
 other cores); a prefill worker's profile also prices its handoffs.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +50,7 @@ class Deployment:
     decode_chunk_size: int = 64     # decode workers' --chunk-size (their own short prompts)
     remote_prefill_min_tokens: int = 256  # the router's flag
     prefill_age_ms: float = 1000.0
+    routers: int = 1                # router replicas (one core each) in front of the workers
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,7 +61,7 @@ class Deployment:
             raise ValueError(f"{self.mode}: num_prefill={self.num_prefill}, num_decode="
                              f"{self.num_decode}: expected {want}")
         for name in ("chunk_size", "tp", "max_prefill_tokens", "max_num_seqs",
-                     "decode_chunk_size"):
+                     "decode_chunk_size", "routers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected > 0")
 
@@ -253,6 +258,22 @@ class _Router:
 Watch = Callable[[Events, _Router], None]
 
 
+def router_waits(requests: Sequence[Request], profile: SimProfile, routers: int) -> list[float]:
+    """How long each request waits for one of `routers` router cores (ms, in request order):
+    in arrival order, each takes the core that frees first for `profile.router_ms` of its
+    output tokens. All 0 where the profile prices no router CPU."""
+    if not (profile.router_ms_per_request or profile.router_ms_per_token):
+        return [0.0] * len(requests)
+    free = [0.0] * routers  # when each core is next free (a heap)
+    waits = [0.0] * len(requests)
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival_ms):
+        arrival = requests[i].arrival_ms
+        start = max(arrival, heapq.heappop(free))
+        waits[i] = start - arrival
+        heapq.heappush(free, start + profile.router_ms(requests[i].output_tokens))
+    return waits
+
+
 def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile | Profiles,
              stop: EarlyStop | None = None, watch: Watch | None = None) -> list[Outcome]:
     """Run `requests` through `dep`; every request's outcome, in request order. Raises `Stop`
@@ -269,8 +290,9 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
                              ).request_overhead_ms
     jobs = [Job(r.index, r.arrival_ms - overhead, r.prompt_tokens, r.output_tokens,
                 r.cached_tokens, r.cached_tokens) for r in requests]
-    for job, request in zip(jobs, requests):
-        events.at(request.arrival_ms, router.arrive, job)
+    for job, request, wait in zip(jobs, requests,
+                                  router_waits(requests, profiles.default, dep.routers)):
+        events.at(request.arrival_ms + wait, router.arrive, job)
     if watch is not None:
         watch(events, router)
     events.run()

@@ -76,6 +76,13 @@ class PlanConfig:
     max_num_seqs: int = option(256, "workers' --max-num-seqs")
     decode_chunk_size: int = option(64, "decode workers' --chunk-size")
     remote_prefill_min_tokens: int = option(256, "the router's --remote-prefill-min-tokens")
+    routers: int = option(1, "router replicas in front of every configuration, one core each: "
+                             "where the router's CPU is priced (--router-cpu-ms), requests "
+                             "wait for a free one")
+    router_cpu_ms: str = option("", "REQUEST[,TOKEN]: one router core's CPU per request and "
+                                    "per streamed token, ms (pdserve bench router's 'router "
+                                    "CPU' line); default: the profile's router_ms_per_request "
+                                    "and router_ms_per_token (0: routers not modelled)")
     rates: tuple[str, ...] = option((), "rates (req/s) at which the configurations shown are "
                                         "also simulated in full, for --plot and --json "
                                         "(default: 0.25x to 1.5x each one's goodput)")
@@ -110,7 +117,7 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "max_workers", "max_prefill_tokens", "max_num_seqs",
-                     "decode_chunk_size", "validate_requests"):
+                     "decode_chunk_size", "validate_requests", "routers"):
             require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
         for name in ("ttft_slo_ms", "tpot_slo_ms", "need_rate", "remote_prefill_min_tokens",
                      "top", "validate_rate"):
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(PlanConfig, "plan", argv, prog="pdserve plan", description=__doc__)
     try:
         profile = SimProfile.load(cfg.profile) if cfg.profile else SimProfile()
+        if cfg.router_cpu_ms:
+            profile = _router_cpu(profile, cfg.router_cpu_ms)
         profiles = Profiles(profile,
                             SimProfile.load(cfg.prefill_profile) if cfg.prefill_profile else None,
                             SimProfile.load(cfg.decode_profile) if cfg.decode_profile else None)
@@ -177,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profile: {cfg.profile or 'built-in (bench-7m, 2-vCPU Zen 5)'}"
           + (f"; prefill workers: {cfg.prefill_profile}" if cfg.prefill_profile else "")
           + (f"; decode workers: {cfg.decode_profile}" if cfg.decode_profile else ""))
+    if profile.router_ms_per_request or profile.router_ms_per_token:
+        print(_routers_line(profile, workload, cfg.routers))
     for note in notes:
         print(note)
     print(f"ranked by goodput per {cfg.rank_by}" if cfg.rank_by != "total" else
@@ -242,7 +253,32 @@ def _configs(cfg: PlanConfig, chunk_sizes: list[int], tps: list[int]) -> list[De
     return deployments(cfg.max_workers, cfg.modes, chunk_sizes, tps,
                        max_prefill_tokens=cfg.max_prefill_tokens, max_num_seqs=cfg.max_num_seqs,
                        decode_chunk_size=cfg.decode_chunk_size,
-                       remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
+                       remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
+                       routers=cfg.routers)
+
+
+def _router_cpu(profile: SimProfile, text: str) -> SimProfile:
+    """`profile` with --router-cpu-ms's REQUEST[,TOKEN] as its router fields."""
+    parts = text.split(",")
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 2 or not all(v >= 0 for v in values):
+        raise ValueError(f"--router-cpu-ms={text!r}: expected REQUEST[,TOKEN], ms >= 0 "
+                         f"(e.g. 5.4 or 2.9,0.3)")
+    return dataclasses.replace(profile, router_ms_per_request=values[0],
+                               router_ms_per_token=values[1] if len(values) == 2 else 0.0)
+
+
+def _routers_line(profile: SimProfile, workload: Workload, routers: int) -> str:
+    """What the routers cost a request of this workload and where they saturate."""
+    sample = workload.requests(1.0, count=200)
+    ms = sum(profile.router_ms(r.output_tokens) for r in sample) / len(sample)
+    return (f"routers: {routers} x 1 core, {profile.router_ms_per_request:g} ms per request + "
+            f"{profile.router_ms_per_token:g} per token = {ms:.2f} ms of a core per request "
+            f"of this workload: they saturate at {1e3 * routers / ms:,.0f} req/s" if ms > 0
+            else f"routers: {routers}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ longer by
 
 (its weights and caches gone cold, its core asleep: on the 2-vCPU guests here a 32-token
 step of bench-7m took ~5 ms back to back and ~10 ms after 50 ms idle; 0: not modelled).
+`router_ms_per_request` and `router_ms_per_token` (the default profile's): the CPU one router
+core spends on a request and on each token it streams (`pdserve bench router` measures them);
+requests take a router core each in arrival order and wait for one when every core is busy
+(`Deployment.routers` of them; 0: routers not modelled, never a queue).
 
 The defaults are the bench-7m model's on a 2-vCPU AMD EPYC (Zen 5) with both cores: ~60 ms
 for a 960-token prompt, ~4 ms for a decode step of a few sequences, the same-host handoff.
@@ -64,6 +68,8 @@ class SimProfile:
     shared_cores: float = 0.0
     idle_wake_ms: float = 0.0
     idle_wake_half_ms: float = 10.0
+    router_ms_per_request: float = 0.0
+    router_ms_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -111,6 +117,10 @@ class SimProfile:
             return 0.0
         return min(0.9, output_tokens_per_s * self.shared_cpu_ms_per_token
                    / (1e3 * self.shared_cores))
+
+    def router_ms(self, output_tokens: int) -> float:
+        """The router CPU one request of `output_tokens` takes."""
+        return self.router_ms_per_request + self.router_ms_per_token * output_tokens
 
     def wake_ms(self, idle_ms: float | None) -> float:
         """What the first step after `idle_ms` of idleness (None: none before it) adds."""

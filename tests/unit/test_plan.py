@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pdserve.plan.cluster import Deployment, Outcome, Profiles, simulate
+from pdserve.plan.cluster import Deployment, Outcome, Profiles, router_waits, simulate
 from pdserve.plan.engine_model import EngineParams, EngineSim, Events, Job
 from pdserve.plan.workload import Request
 from pdserve.sim.profile import SimProfile
@@ -240,3 +240,32 @@ def test_idle_prefill_workers_take_turns_as_the_router_spreads_ties():
     outcomes = run(Deployment("disaggregated", 2, 1), *[(100.0 * i, 300, 2) for i in range(4)])
     assert [o.workers.split(" -> ")[0] for o in outcomes] == \
         ["prefill0", "prefill1", "prefill0", "prefill1"]
+
+
+def test_requests_wait_for_a_free_router_core_in_arrival_order():
+    priced = SimProfile(router_ms_per_request=10.0)
+    at = [Request(0, 0.0, 300, 4, 0), Request(1, 1.0, 300, 4, 0), Request(2, 2.0, 300, 4, 0)]
+    # one core, 10 ms each: the second starts at 10 (waited 9), the third at 20 (waited 18)
+    assert router_waits(at, priced, 1) == pytest.approx([0.0, 9.0, 18.0])
+    # two cores: the third takes the first one freed, at 10
+    assert router_waits(at, priced, 2) == pytest.approx([0.0, 0.0, 8.0])
+    # and 1 ms per streamed token: 14 ms a request of 4 tokens
+    per_token = SimProfile(router_ms_per_request=10.0, router_ms_per_token=1.0)
+    assert router_waits(at, per_token, 1) == pytest.approx([0.0, 13.0, 26.0])
+    # given out of arrival order, served in it: each wait stays with its request
+    assert router_waits(at[::-1], priced, 1) == pytest.approx([18.0, 9.0, 0.0])
+    assert router_waits(at, PROFILE, 1) == [0.0, 0.0, 0.0]  # no router CPU priced: no queue
+
+
+def test_a_request_waiting_for_a_router_core_starts_that_much_later():
+    priced = SimProfile(**{**json.loads(json.dumps(PROFILE.__dict__)),
+                           "router_ms_per_request": 10.0})
+    requests = [Request(0, 0.0, 300, 1, 0), Request(1, 0.0, 300, 1, 0)]
+    # co-located x2, one prompt each (2 + 30 ms): the second waits 10 ms for the one router
+    a, b = simulate(Deployment("colocated", 0, 2), requests, priced)
+    assert a.ttft_ms == pytest.approx(32.0) and b.ttft_ms == pytest.approx(42.0)
+    assert a.workers != b.workers
+    a, b = simulate(Deployment("colocated", 0, 2, routers=2), requests, priced)
+    assert a.ttft_ms == pytest.approx(32.0) and b.ttft_ms == pytest.approx(32.0)
+    with pytest.raises(ValueError, match="routers=0"):
+        Deployment("colocated", 0, 1, routers=0)

@@ -177,3 +177,24 @@ def test_plan_command_plots_attainment_around_each_goodput(tmp_path):
     assert rates == pytest.approx([k * config["goodput_rps"] for k in command.CURVE])
     attainment = [p["attainment"] for p in config["curve"]]
     assert attainment[0] >= 0.9 > attainment[-1]  # the cliff is inside the curve
+
+
+def test_goodput_stops_where_the_routers_saturate(capsys):
+    # fast workers (a prompt of 10 tokens in 3 ms), routers of 20 ms a request: one router
+    # core serves at most 50 req/s whatever the pool, two 100
+    w = Workload("fixed:10,1", arrivals="constant", num_requests=300)
+    slo = Slo(ttft_ms=100.0)
+    unpriced = find_goodput(Deployment("colocated", 0, 4), w, PROFILE, slo).rate
+    routed = SimProfile(**{**PROFILE.__dict__, "router_ms_per_request": 20.0})
+    one = find_goodput(Deployment("colocated", 0, 4), w, routed, slo).rate
+    two = find_goodput(Deployment("colocated", 0, 4, routers=2), w, routed, slo).rate
+    assert unpriced > 200
+    assert one == pytest.approx(50.0, rel=0.05) and two == pytest.approx(100.0, rel=0.05)
+    assert command.main(["--workload", "fixed:10,1", "--router-cpu-ms", "2,0.5", "--routers",
+                         "3", "--max-workers", "1", "--modes", "colocated", "--num-requests",
+                         "50", "--no-progress"]) == 0
+    # 2 + 0.5 x 1 token = 2.5 ms of a core a request: three cores saturate at 1,200 req/s
+    assert "routers: 3 x 1 core, 2 ms per request + 0.5 per token = 2.50 ms of a core per " \
+        "request of this workload: they saturate at 1,200 req/s" in capsys.readouterr().out
+    assert command.main(["--router-cpu-ms", "2,x", "--no-progress"]) == 2
+    assert "--router-cpu-ms='2,x': expected REQUEST[,TOKEN]" in capsys.readouterr().err
