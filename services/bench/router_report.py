@@ -153,6 +153,9 @@ def show(r: dict[str, Any]) -> None:
         f"  router CPU          {_ms(cpu, 'ms_per_request')} ms/request, "
         f"{_ms(cpu, 'ms_per_token')} ms/token, {cpu['cores_busy']:.2f} of "
         f"{cpu['cores']} core(s) busy",
+        f"  for pdserve plan    --router-cpu-ms {_ms(cpu, 'ms_per_request')} (requests of "
+        f"{r['output_tokens']} output tokens; with a second run's other --output-tokens: "
+        f"REQUEST,TOKEN)",
         f"  router GC pauses    {_gc(r.get('router_gc') or {})}",
         f"  harness             {harness['cores_busy']:.2f} of {harness['cores']} core(s) busy, "
         f"send lag p99 {_ms(harness['send_lag_ms'], 'p99')} ms",

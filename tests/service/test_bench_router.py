@@ -59,6 +59,9 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     gc_ = r["router_gc"]  # from the router's /metrics, over the window
     assert set(gc_) == {"0", "1", "2"} and gc_["0"]["collections"] > 0 and gc_["0"]["ms"] > 0
     assert "router GC pauses    gen 2 " in run.stdout
+    # what to give pdserve plan for the routers' cores: this run's CPU per request
+    assert f"for pdserve plan    --router-cpu-ms {r['router_cpu']['ms_per_request']:.2f} " \
+        "(requests of 8 output tokens;" in run.stdout
     assert _ours_running("pdserve-bench-router-") == []  # sims and router are gone
 
 
