@@ -272,13 +272,13 @@ def _router_cpu(profile: SimProfile, text: str) -> SimProfile:
 
 
 def _routers_line(profile: SimProfile, workload: Workload, routers: int) -> str:
-    """What the routers cost a request of this workload and where they saturate."""
+    """What the routers cost a request of this workload and where they saturate (for a
+    profile that prices them: every request has an output token, so the cost is > 0)."""
     sample = workload.requests(1.0, count=200)
     ms = sum(profile.router_ms(r.output_tokens) for r in sample) / len(sample)
     return (f"routers: {routers} x 1 core, {profile.router_ms_per_request:g} ms per request + "
             f"{profile.router_ms_per_token:g} per token = {ms:.2f} ms of a core per request "
-            f"of this workload: they saturate at {1e3 * routers / ms:,.0f} req/s" if ms > 0
-            else f"routers: {routers}")
+            f"of this workload: they saturate at {1e3 * routers / ms:,.0f} req/s")
 
 
 if __name__ == "__main__":
