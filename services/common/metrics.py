@@ -16,8 +16,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from pdserve.common.engine_metrics import FAST_BUCKETS, LATENCY_BUCKETS, EngineMetrics
 from pdserve.common.heap import gc_pauses
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,10 +30,6 @@ PREFIX = "pdserve_"
 DISABLED = -1  # metrics_port value that turns the endpoint off
 UNKNOWN_PEER = "unknown"  # a sender that did not name itself (an older agent)
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0)
-FAST_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS)  # handoffs, ITL: often < 1 ms
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GBPS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 
 
@@ -149,17 +146,6 @@ class RouterMetrics:
         self.registry.register(_CallbackCollector(collect))
 
 
-class Step(Protocol):
-    """What `WorkerMetrics.observe_step` reads of an engine step."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def decodes(self) -> int: ...
-    @property
-    def seconds(self) -> float: ...
-
-
 class WorkerMetrics:
     """A prefill, decode or co-located worker: engine gauges read from `stats()` at scrape
     time, plus counters the worker bumps at request boundaries."""
@@ -194,20 +180,8 @@ class WorkerMetrics:
                                       "this prefill worker started writing the moment their KV "
                                       "was ready (made ready while the prompt's last chunk "
                                       "computed; its own TCP lane, eager sizes)", registry=r)
-        self.step_seconds = Histogram(
-            "pdserve_engine_step_seconds", "engine steps (forward and sampling) by kind: decode "
-            "(only sequences decoding), prefill (only prompt chunks), mixed; compare with the "
-            "times `pdserve profile` measured", ("kind",), registry=r, buckets=FAST_BUCKETS)
-        self.step_sequences = Histogram(
-            "pdserve_engine_step_sequences", "sequences decoding a token in each step that had "
-            "any (the decode batch)", registry=r, buckets=BATCH_BUCKETS)
+        self.engine = EngineMetrics(r)
         r.register(_StatsCollector(role, stats))
-
-    def observe_step(self, step: Step) -> None:
-        """An engine step (`pdserve.engine.engine.StepShape`), from the engine's thread."""
-        self.step_seconds.labels(step.kind).observe(step.seconds)
-        if step.decodes:
-            self.step_sequences.observe(step.decodes)
 
     def note_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.queried_tokens.inc(prompt_tokens)

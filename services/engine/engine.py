@@ -52,6 +52,8 @@ class StepShape:
     decodes: int        # sequences that decoded a token
     prompt_tokens: int  # prompt tokens computed (chunks of waiting sequences)
     seconds: float
+    context_tokens: int = 0  # the decoding sequences' tokens (what their new tokens attended)
+    prompt_pairs: int = 0    # (query, key) pairs the prompt chunks attended
 
     @property
     def kind(self) -> str:
@@ -333,7 +335,10 @@ class Engine:
         end = time.perf_counter()
         ms = (end - start) * 1e3
         if self.on_step is not None:
-            self.on_step(StepShape(len(decodes), sum(n for _, n in plan), end - start))
+            self.on_step(StepShape(  # (each chunk's n tokens came after num_cached - n)
+                len(decodes), sum(n for _, n in plan), end - start,
+                sum(s.num_tokens for s in decodes),
+                sum(n * (s.num_cached - n) + n * (n + 1) // 2 for s, n in plan)))
         outputs: list[StepOutput] = []
         for seq, token in zip(decodes, tokens):
             seq.num_cached = seq.num_tokens

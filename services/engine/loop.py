@@ -46,6 +46,9 @@ class EngineLoop:
         self._callers = 0
         self._callers_lock = threading.Lock()
         self._stopping = False
+        # after each step that left work: the seconds until the next (tokens handed over,
+        # callers let in), for metrics
+        self.on_held: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -122,13 +125,17 @@ class EngineLoop:
             self._queues.pop(seq_id, None)
 
     def _run(self) -> None:
+        held = 0.0  # when the last step ended, if it left work
         while True:
             with self._wake:
                 if self._stopping:
                     return
                 if not self.engine.has_work():
                     self._wake.wait(self._tick_s)
+                    held = 0.0
                     continue
+                if held and self.on_held is not None:
+                    self.on_held(time.perf_counter() - held)
                 try:
                     results: list[tuple[str, StepOutput | BaseException]] = [
                         (out.seq_id, out) for out in self.engine.step()]
@@ -140,6 +147,8 @@ class EngineLoop:
                     # sleep until something changes instead of spinning.
                     self._wake.wait(self._tick_s)
                 targets = [(self._queues.get(seq_id), item) for seq_id, item in results]
+                held = time.perf_counter() if self.on_held and not self.engine.stalled \
+                    and self.engine.has_work() else 0.0
             for q, item in targets:
                 if q is not None:
                     q.put(item)

@@ -131,7 +131,8 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
         engine.ranks.on_death = rank_died
     loop = EngineLoop(engine).start()
     worker = make_worker(cfg, loop, worker_id)
-    engine.on_step = worker.metrics.observe_step
+    engine.on_step = worker.metrics.engine.observe_step
+    loop.on_held = worker.metrics.engine.observe_held
     freeze_startup_heap(worker_id)  # the model's modules, the engine, the tokenizer
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:

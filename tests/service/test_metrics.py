@@ -154,6 +154,20 @@ def test_requests_move_each_metric_by_exactly_what_they_did(stack):
     assert moved("decode-0", "pdserve_engine_step_sequences_sum") == decode_steps
     for kind in ("prefill", "mixed"):
         assert moved("decode-0", "pdserve_engine_step_seconds_count", kind=kind) == 0, kind
+    # what those steps computed: each prompt of P tokens in one chunk from 0 (P (P + 1) / 2
+    # pairs attended; no page cached, the prompt is shorter than a page); then the decode
+    # steps' sequences of P + 1, ..., P + MAX_TOKENS - 1 tokens
+    prompt = moved("router", "pdserve_prompt_tokens_total") / N
+    assert prompt < 16 and moved("prefill-0", "pdserve_prefix_cache_hit_tokens_total") == 0
+    assert moved("prefill-0", "pdserve_engine_prompt_tokens_total", kind="prefill") == N * prompt
+    assert moved("prefill-0", "pdserve_engine_prompt_attended_pairs_total", kind="prefill") \
+        == N * prompt * (prompt + 1) / 2
+    assert moved("decode-0", "pdserve_engine_decoded_tokens_total", kind="decode") == decode_steps
+    assert moved("decode-0", "pdserve_engine_context_tokens_total", kind="decode") == \
+        N * sum(prompt + k for k in range(1, MAX_TOKENS))
+    # between a sequence's steps the loop hands its token over: some time, less than the run
+    assert 0 < moved("decode-0", "pdserve_engine_held_seconds_total") < \
+        moved("router", "pdserve_e2e_seconds_sum", outcome="ok", api="grpc")
 
 
 def test_cancelled_stream_is_counted_once_and_frees_its_pages(stack):
