@@ -274,6 +274,12 @@ def router_waits(requests: Sequence[Request], profile: SimProfile, routers: int)
     return waits
 
 
+def output_tokens_per_s(requests: Sequence[Request]) -> float:
+    """The requests' output tokens over their arrivals' span (what `contention` is priced at)."""
+    span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1e3 if requests else 0.0
+    return sum(r.output_tokens for r in requests) / span_s if span_s > 0 else 0.0
+
+
 def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile | Profiles,
              stop: EarlyStop | None = None, watch: Watch | None = None) -> list[Outcome]:
     """Run `requests` through `dep`; every request's outcome, in request order. Raises `Stop`
@@ -282,9 +288,7 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
     workers' queues: `plan/signals.py`)."""
     events = Events()
     profiles = Profiles.of(profile)
-    span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1e3 if requests else 0.0
-    tokens_per_s = sum(r.output_tokens for r in requests) / span_s if span_s > 0 else 0.0
-    router = _Router(dep, profiles, events, stop, tokens_per_s)
+    router = _Router(dep, profiles, events, stop, output_tokens_per_s(requests))
     # the router's and RPCs' time: the decode (or co-located) worker's profile carries it
     overhead = profiles.role("colocated" if dep.mode == "colocated" else "decode"
                              ).request_overhead_ms

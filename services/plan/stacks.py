@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from pdserve.plan import steps
 from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.validate import (
     CALIBRATION_REQUESTS,
@@ -54,7 +55,7 @@ class StackRunner:
 
     def __call__(self, dep: Deployment, rate: float) -> tuple[Latencies, list[Latencies]]:
         name = dep.name.replace(" ", "-")
-        with self._stack(dep, name) as (target, stack_pid):
+        with self._stack(dep, name) as (target, stack_pid, worker_metrics):
             alone = self._bench(target, f"{name}-calibration", [
                 "--concurrency", "1", "--num-requests", str(CALIBRATION_REQUESTS),
                 "--seed", str(self.workload.seed + CALIBRATION_SEED)])
@@ -64,11 +65,15 @@ class StackRunner:
                 "--server-cpu", target])
             # where the processes beside the workers run depends on how busy each worker's
             # core is (the scheduler puts them on whichever core is free): sampled at the rate
+            # and what the decode (co-located) worker's steps took meanwhile (no warm-up
+            # requests: the stack is warm, and the totals are the run's alone)
+            before = steps.scrape(worker_metrics)
             shared = self._bench(target, f"{name}-cores", [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
-                "--num-requests", str(min(self.count, SHARED_REQUESTS)),
+                "--num-requests", str(min(self.count, SHARED_REQUESTS)), "--warmup", "0",
                 "--seed", str(self.workload.seed + CORES_SEED)], sample=stack_pid)
-            alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token, shared=shared.shared)
+            alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token, shared=shared.shared,
+                            steps=steps.scrape(worker_metrics).minus(before))
             loaded = [self._bench(target, name if i == 0 else f"{name}-{i + 1}", [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
                 "--num-requests", str(self.count), "--seed", str(seed)])
@@ -104,12 +109,16 @@ class StackRunner:
                          prefill or None)
 
     @contextmanager
-    def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int]]:
+    def _stack(self, dep: Deployment, name: str) -> Iterator[tuple[str, int, str]]:
+        """(the router's address, `pdserve up`'s pid, the decode or co-located worker's
+        /metrics URL)"""
         from pdserve.bench.loadgen.procs import free_port_block, stop_group, wait_http
+        from pdserve.up import metrics_offset
 
-        base = free_port_block(50)
+        base, metrics = free_port_block(50), free_port_block(50)
+        worker = "colocated" if dep.mode == "colocated" else "decode-0"
         cmd = [*PDSERVE, "up", "--model", self.model, "--no-demo", "--http-port", str(base),
-               "--port", str(base + 1), "--metrics-port", "-1", "--prefill-port",
+               "--port", str(base + 1), "--metrics-port", str(metrics), "--prefill-port",
                str(base + 10), "--decode-port", str(base + 20), "--agent-port", str(base + 30),
                "--colocated-port", str(base + 40)]
         cmd += ["--colocated"] if dep.mode == "colocated" else \
@@ -124,7 +133,8 @@ class StackRunner:
                                     start_new_session=True)
         try:
             wait_http(f"http://127.0.0.1:{base}/health", proc, self.ready_s, log, "pdserve up")
-            yield f"127.0.0.1:{base + 1}", proc.pid
+            yield (f"127.0.0.1:{base + 1}", proc.pid,
+                   f"http://127.0.0.1:{metrics + metrics_offset(worker)}/metrics")
         finally:
             stop_group(proc)
 

@@ -35,8 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import cast
 
-from pdserve.plan.cluster import Deployment, Profiles
+from pdserve.plan.cluster import Deployment, Profiles, output_tokens_per_s
 from pdserve.plan.search import predict
+from pdserve.plan.steps import StepTotals, split_overheads
 from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
 
@@ -71,6 +72,9 @@ class Latencies:
     # router, the KV agents, `pdserve up` and the client spent on that worker's cores, cores]
     shared: dict[str, list[float]] | None = None
     prefill_p50_ms: float | None = None  # the prefill worker's own time (server-side)
+    # measured: the decode (or co-located) worker's engine steps over the run at the rate
+    # whose CPU was sampled (`pdserve.plan.steps`)
+    steps: StepTotals | None = None
 
 
 # A configuration run for real: (its calibration, its runs at the rate, one per seed)
@@ -101,7 +105,8 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
 
 
 def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: Latencies,
-              shared_cores: float = 0.0) -> tuple[Profiles, dict[str, float]]:
+              shared_cores: float = 0.0, loaded_tokens_per_s: float = 0.0
+              ) -> tuple[Profiles, dict[str, float]]:
     """`profiles` with the serving overheads that make the calibration requests, one at a
     time, take what they measured (`alone`); and those overheads. The CPU that the processes
     beside the workers (router, KV agents, client) spend per output token is taken from the
@@ -120,9 +125,9 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
     if dep.mode != "colocated" and alone.prefill_p50_ms:
         profiles, prefill_step = _prefill_overhead(dep, requests, profiles, alone.prefill_p50_ms)
 
-    def with_overheads(step_ms: float, request_ms: float) -> Profiles:
+    def with_overheads(step_ms: float, request_ms: float, seq_ms: float = 0.0) -> Profiles:
         own = replace(profiles.role(role), step_overhead_ms=step_ms,
-                      request_overhead_ms=request_ms)
+                      request_overhead_ms=request_ms, seq_overhead_ms=seq_ms)
         return replace(profiles, default=own) if role == "colocated" else \
             replace(profiles, decode=own)
 
@@ -130,12 +135,17 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
     first = predict(dep, requests, profiles, IDLE_RATE, count=CALIBRATION_REQUESTS)
     step = max(0.0, base.step_overhead_ms + (alone.tpot_p50_ms or 0.0)
                - (first.tpot_p50_ms or 0.0)) if alone.tpot_p50_ms else base.step_overhead_ms
-    second = predict(dep, requests, with_overheads(step, base.request_overhead_ms), IDLE_RATE,
-                     count=CALIBRATION_REQUESTS)
+    per_seq = base.seq_overhead_ms
+    if alone.steps is not None:  # the TPOT gap alone, split by the steps at the rate
+        step, per_seq = split_overheads(alone.steps, base, step, profiles.contention(
+            role, loaded_tokens_per_s))
+    second = predict(dep, requests, with_overheads(step, base.request_overhead_ms, per_seq),
+                     IDLE_RATE, count=CALIBRATION_REQUESTS)
     request = max(0.0, base.request_overhead_ms + (alone.ttft_p50_ms or 0.0)
                   - (second.ttft_p50_ms or 0.0)) if alone.ttft_p50_ms \
         else base.request_overhead_ms
-    found = {"step_overhead_ms": step, "request_overhead_ms": request}
+    found = {"step_overhead_ms": step, "seq_overhead_ms": per_seq,
+             "request_overhead_ms": request}
     if prefill_step is not None:
         found["prefill_step_overhead_ms"] = prefill_step
     if alone.shared:
@@ -143,7 +153,7 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
             found[f"{role}_shared_cpu_ms_per_token"], found[f"{role}_shared_cores"] = ms, cores
     elif shared_cores and alone.cpu_ms_per_token is not None:
         found.update(shared_cpu_ms_per_token=alone.cpu_ms_per_token, shared_cores=shared_cores)
-    return with_overheads(step, request), found
+    return with_overheads(step, request, per_seq), found
 
 
 def _prefill_overhead(dep: Deployment, requests: Workload, profiles: Profiles,
@@ -204,7 +214,10 @@ def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profil
         if len(measured_runs) != len(seeds):
             raise ValueError(f"{dep.name}: {len(measured_runs)} measured runs for "
                              f"{len(seeds)} seeds")
-        calibrated, overheads = calibrate(dep, workload, profiles, alone, shared_cores)
+        loaded = replace(workload, seed=workload.seed + CORES_SEED).requests(
+            rate, dep.workers, min(count, SHARED_REQUESTS))
+        calibrated, overheads = calibrate(dep, workload, profiles, alone, shared_cores,
+                                          output_tokens_per_s(loaded))
         predicted_runs = []
         for seed in seeds:
             point = predict(dep, replace(workload, seed=seed), calibrated, rate, count=count)
@@ -263,7 +276,8 @@ def table(rows: Sequence[dict[str, object]]) -> str:
             for role in ("colocated", "prefill", "decode") if f"{role}_shared_cores" in cal)
         lines.append(f"{row['config']}: serving overheads from {cal['requests']:.0f} requests "
                      f"alone: request {cal['request_overhead_ms']:.2f} ms, step "
-                     f"{cal['step_overhead_ms']:.2f} ms{prefill}{shared}")
+                     f"{cal['step_overhead_ms']:.2f} ms, sequence in a step (at the rate) "
+                     f"{cal.get('seq_overhead_ms', 0.0):.2f} ms{prefill}{shared}")
     return "\n".join(lines)
 
 

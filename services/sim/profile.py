@@ -2,9 +2,10 @@
 
     prefill_ms(n)        = prefill_base_ms + prefill_ms_per_token * n
                            + prefill_ms_per_attended_token * n (n + 1) / 2   (one prompt alone)
-    decode_step_ms(b, c) = decode_base_ms + decode_ms_per_seq * b
+    decode_step_ms(b, c) = decode_base_ms + (decode_ms_per_seq + seq_overhead_ms) * b
                            + decode_ms_per_attended_token * c   (b sequences, c context tokens)
-    (each + step_overhead_ms: a serving worker's own time per step, beyond the forward)
+    (each + step_overhead_ms: a serving worker's own time per step, beyond the forward;
+    seq_overhead_ms: its own time per sequence decoding in a step, streaming its token)
     handoff_ms(bytes)    = handoff_base_ms + bytes / (handoff_gb_s * 1e9) * 1e3
 
 The attention terms count (query token, key token) pairs: a prompt chunk of n tokens after s
@@ -12,8 +13,9 @@ computed ones attends to n s + n (n + 1) / 2 of them, a decode step to every seq
 context. `step_ms` prices one engine step of decodes and prompt chunks together (what
 `pdserve plan` simulates). The fields after `max_model_len` are used by `pdserve plan` only
 and default to "no effect", so a profile without them times everything as before:
-`request_overhead_ms` (router and RPC time in every TTFT), `step_overhead_ms` (what a
-serving worker's loop, output dispatch and streaming add to each step), `shared_cpu_ms_per_token`
+`request_overhead_ms` (router and RPC time in every TTFT), `step_overhead_ms` and
+`seq_overhead_ms` (what a serving worker's loop, output dispatch and streaming add to each
+step, and to each sequence decoding in it), `shared_cpu_ms_per_token`
 and `shared_cores` (processes beside the workers on their cores, such as a router and clients
 on the same machine, spending that much CPU per output token: every step is slower by
 1 / (1 - their share of the `shared_cores`); 0: not modelled), `tp_efficiency` (a worker with
@@ -64,6 +66,7 @@ class SimProfile:
     tp_efficiency: float = 0.0
     devices_per_worker: float = 1.0
     step_overhead_ms: float = 0.0
+    seq_overhead_ms: float = 0.0
     shared_cpu_ms_per_token: float = 0.0
     shared_cores: float = 0.0
     idle_wake_ms: float = 0.0
@@ -87,7 +90,7 @@ class SimProfile:
             + self.step_overhead_ms
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
-        return self.decode_base_ms + self.decode_ms_per_seq * batch \
+        return self.decode_base_ms + (self.decode_ms_per_seq + self.seq_overhead_ms) * batch \
             + self.decode_ms_per_attended_token * context_tokens + self.step_overhead_ms
 
     def step_ms(self, num_decodes: int, context_tokens: int,
@@ -107,7 +110,7 @@ class SimProfile:
         if not num_decodes:
             return self.prefill_base_ms + ms
         return max(self.prefill_base_ms, self.decode_base_ms) + ms \
-            + self.decode_ms_per_seq * num_decodes \
+            + (self.decode_ms_per_seq + self.seq_overhead_ms) * num_decodes \
             + self.decode_ms_per_attended_token * context_tokens
 
     def contention(self, output_tokens_per_s: float) -> float:

@@ -24,6 +24,10 @@ def test_a_disaggregated_stack_is_calibrated_and_measured_once_per_seed(tiny_mod
     assert alone.cpu_ms_per_token and alone.cpu_ms_per_token > 0
     assert alone.shared is not None and set(alone.shared) == {"prefill", "decode"}
     assert [cores for _, cores in alone.shared.values()] == [1.0, 1.0]  # one core each
+    # the decode worker's steps during the run at the rate: 6 requests, 3 tokens each after
+    # the first (the prefill worker's), and the time they and the loop between them took
+    assert alone.steps is not None and alone.steps.num_decoded == 6 * 3
+    assert alone.steps.seconds > 0 and alone.steps.held_s > 0
     assert len(runs) == 2 and all(r.ttft_p50_ms and r.tpot_p50_ms for r in runs)
     counts = []
     for run in ("-calibration", "-cpu", "-cores", "", "-2"):

@@ -11,6 +11,7 @@ import pytest
 from pdserve.plan import command, stacks, validate
 from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import predict
+from pdserve.plan.steps import StepTotals, parse, split_overheads
 from pdserve.plan.validate import Latencies
 from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
@@ -38,7 +39,7 @@ def test_each_configuration_is_predicted_on_the_requests_the_real_run_gets():
         assert row["measured"] == {"ttft_p50_ms": 40.0, "tpot_p50_ms": 6.0,
                                    "ttft_p99_ms": None, "tpot_p99_ms": None,
                                    "cpu_ms_per_token": None, "shared": None,
-                                   "prefill_p50_ms": None}
+                                   "prefill_p50_ms": None, "steps": None}
         assert row["error"]["ttft_p50"] == pytest.approx(  # type: ignore[index]
             want.ttft_p50_ms / 40.0 - 1)
     # alone at 2 req/s: TTFT 32 ms co-located, 33.3 ms through the handoff; TPOT 6 ms
@@ -136,14 +137,64 @@ def test_calibration_turns_what_requests_alone_took_beyond_the_model_into_overhe
     # disaggregated: the decode worker's profile takes them; the prefill worker's is untouched
     calibrated, found = validate.calibrate(Deployment("disaggregated", 1, 1), w, profiles,
                                            Latencies(36.3, 7.0))
-    assert found == {"step_overhead_ms": pytest.approx(1.0),
+    assert found == {"step_overhead_ms": pytest.approx(1.0), "seq_overhead_ms": 0.0,
                      "request_overhead_ms": pytest.approx(3.0)}
     assert calibrated.role("decode").step_overhead_ms == pytest.approx(1.0)
     assert calibrated.role("prefill").step_overhead_ms == 0.0
     # never negative: a stack faster than the model leaves the profile as it was
     _, found = validate.calibrate(Deployment("colocated", 0, 1), w, profiles,
                                   Latencies(20.0, 5.0))
-    assert found == {"step_overhead_ms": 0.0, "request_overhead_ms": 0.0}
+    assert found == {"step_overhead_ms": 0.0, "seq_overhead_ms": 0.0, "request_overhead_ms": 0.0}
+
+
+def test_the_steps_at_the_rate_split_the_gap_alone_into_per_step_and_per_sequence():
+    w = Workload("fixed:300,10")
+    dep = Deployment("colocated", 0, 1)
+    # 10 decode steps of 10 sequences: 200 ms of steps + 50 between them, with a fifth of the
+    # core taken by others 200 ms of the worker's; the profile prices them at 10 x 5 + 100 x 1
+    loaded = StepTotals(steps={"decode": 10}, decoded={"decode": 100}, seconds=0.2, held_s=0.05)
+    assert loaded.engine_ms(PROFILE) == pytest.approx(150.0)
+    # alone one sequence's step took 1 ms more: o + s = 1 and 10 o + 100 s = 50
+    assert split_overheads(loaded, PROFILE, 1.0, 0.2) == (pytest.approx(5 / 9),
+                                                          pytest.approx(4 / 9))
+    # alone 0.2 ms more: per sequence alone already more than that, so nothing per step
+    assert split_overheads(loaded, PROFILE, 0.2, 0.2) == (0.0, pytest.approx(0.5))
+    # steps of one sequence cannot tell them apart: all of it per step
+    single = StepTotals(steps={"decode": 10}, decoded={"decode": 10}, seconds=0.2)
+    assert split_overheads(single, PROFILE, 1.0, 0.0) == (1.0, 0.0)
+    # calibrated: TPOT alone still what it measured (6 + 1: o + s), a loaded step dearer
+    calibrated, found = validate.calibrate(dep, w, Profiles(PROFILE),
+                                           Latencies(35.0, 7.0, steps=loaded))
+    assert found["step_overhead_ms"] + found["seq_overhead_ms"] == pytest.approx(1.0)
+    assert found["seq_overhead_ms"] == pytest.approx((100 - 10) / 90)  # no contention: R = 100
+    assert predict(dep, w, calibrated, 1e-3, count=8).tpot_p50_ms == pytest.approx(7.0)
+    assert calibrated.default.decode_step_ms(10) == pytest.approx(5 + 10 * 2)
+
+
+def test_a_workers_step_totals_are_read_from_its_metrics_text():
+    text = "\n".join([
+        'pdserve_engine_step_seconds_count{kind="decode"} 10.0',
+        'pdserve_engine_step_seconds_sum{kind="decode"} 0.05',
+        'pdserve_engine_step_seconds_count{kind="mixed"} 2.0',
+        'pdserve_engine_step_seconds_sum{kind="mixed"} 0.03',
+        'pdserve_engine_decoded_tokens_total{kind="decode"} 40.0',
+        'pdserve_engine_decoded_tokens_total{kind="mixed"} 6.0',
+        'pdserve_engine_context_tokens_total{kind="decode"} 4000.0',
+        'pdserve_engine_prompt_tokens_total{kind="mixed"} 64.0',
+        'pdserve_engine_prompt_attended_pairs_total{kind="mixed"} 2080.0',
+        "pdserve_engine_held_seconds_total 0.01", ""])
+    totals = parse(text)
+    assert totals.num_steps == 12 and totals.num_decoded == 46
+    assert totals.seconds == pytest.approx(0.08) and totals.held_s == pytest.approx(0.01)
+    p = SimProfile(**{**PROFILE.__dict__, "decode_ms_per_attended_token": 0.001,
+                      "prefill_ms_per_attended_token": 0.01, "step_overhead_ms": 0.5})
+    # decode: 10 x (5 + 0.5) + 40 x 1 + 4000 x 0.001; mixed: 2 x (5 + 0.5) + 6 x 1 + 64 x 0.1
+    # + 2080 x 0.01
+    assert totals.engine_ms(p) == pytest.approx(55 + 40 + 4 + 11 + 6 + 6.4 + 20.8)
+    later = replace(totals, steps={"decode": 15, "mixed": 2}, seconds=0.1)
+    gone = later.minus(totals)
+    assert gone.steps == {"decode": 5, "prefill": 0, "mixed": 0} and gone.num_decoded == 0
+    assert gone.seconds == pytest.approx(0.02)
 
 
 def test_step_overhead_is_paid_once_by_every_step():
