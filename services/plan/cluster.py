@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.plan.engine_model import EngineParams, EngineSim, Events, Job
 from pdserve.plan.workload import Request
@@ -120,6 +120,14 @@ class Profiles:
         own = self.role(role)
         return (own if own.shared_cores else self.default).contention(output_tokens_per_s)
 
+    def streaming_ms(self, role: str) -> float:
+        """What the processes beside a `role` worker spend on its cores per output token, per
+        core (`SimProfile.contention`'s cost): a decoding worker pays it for every token of
+        its steps, so that it grows with a step's batch as the tokens those processes stream do."""
+        own = self.role(role)
+        p = own if own.shared_cores else self.default
+        return p.shared_cpu_ms_per_token / p.shared_cores if p.shared_cores else 0.0
+
     def devices(self, dep: Deployment) -> float:
         """Cores or GPUs the deployment takes (workers x TP x each one's devices_per_worker)."""
         if dep.mode == "colocated":
@@ -147,20 +155,24 @@ class _Router:
         self.dep, self.events, self.stop = dep, events, stop
         self.misses = 0
         role = "colocated" if dep.mode == "colocated" else "decode"
-        # the share of each kind's cores left to its workers
-        slow = 1.0 - profiles.contention(role, tokens_per_s)
+        # The processes beside the workers (router, agents, clients) stream the decoding
+        # workers' tokens: on a decoding worker's cores they cost each step as much per token
+        # as it has sequences (a burst's big batches pay more); a prefill worker's cores they
+        # take a share of at the run's mean rate.
         prefill_slow = 1.0 - profiles.contention("prefill", tokens_per_s)
         callbacks = {"on_first_token": self._first_token, "on_done": self._done,
                      "on_handed_off": self._handed_off}
         decode_profile, prefill_profile = profiles.role(role), profiles.role("prefill")
+        decode_profile = replace(decode_profile, seq_overhead_ms=decode_profile.seq_overhead_ms
+                                 + profiles.streaming_ms(role))
         if dep.mode == "colocated":
             decode = EngineParams(role, dep.chunk_size, dep.max_prefill_tokens,
                                   dep.max_num_seqs, 0, dep.prefill_age_ms,
-                                  decode_profile.tp_speedup(dep.tp) * slow)
+                                  decode_profile.tp_speedup(dep.tp))
         else:
             decode = EngineParams(role, dep.decode_chunk_size, dep.max_prefill_tokens,
                                   dep.max_num_seqs, 1, dep.prefill_age_ms,
-                                  decode_profile.tp_speedup(dep.tp) * slow)
+                                  decode_profile.tp_speedup(dep.tp))
         prefill = EngineParams("prefill", dep.chunk_size, dep.max_prefill_tokens,
                                dep.max_num_seqs, 0, dep.prefill_age_ms,
                                prefill_profile.tp_speedup(dep.tp) * prefill_slow)

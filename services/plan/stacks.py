@@ -24,7 +24,6 @@ from pdserve.plan.validate import (
     CORES_SEED,
     CPU_CONCURRENCY,
     CPU_SEED,
-    SHARED_REQUESTS,
     Latencies,
     repeat_seeds,
 )
@@ -70,7 +69,7 @@ class StackRunner:
             before = steps.scrape(worker_metrics)
             shared = self._bench(target, f"{name}-cores", [
                 "--rate", f"{rate:g}", "--burstiness", f"{self.burstiness:g}",
-                "--num-requests", str(min(self.count, SHARED_REQUESTS)), "--warmup", "0",
+                "--num-requests", str(self.count), "--warmup", "0",
                 "--seed", str(self.workload.seed + CORES_SEED)], sample=stack_pid)
             alone = replace(alone, cpu_ms_per_token=busy.cpu_ms_per_token, shared=shared.shared,
                             steps=steps.scrape(worker_metrics).minus(before))

@@ -90,17 +90,17 @@ def scrape(url: str, timeout_s: float = 10.0) -> StepTotals:
 
 
 def split_overheads(loaded: StepTotals, profile: SimProfile, alone_ms: float,
-                    contention: float) -> tuple[float, float]:
+                    streaming_ms: float) -> tuple[float, float]:
     """(`step_overhead_ms`, `seq_overhead_ms`): a serving worker's cost per step and per
     decoding sequence in a step beyond the profile's, such that a step of one sequence costs
-    `alone_ms` more than the profile (what the requests one at a time took) and the `loaded`
-    steps, their loop's time between steps included and the share `contention` of the cores
-    that other processes took removed, cost what they took. Without decodes beyond one a
-    step, all of it is per step."""
+    `alone_ms` more than the model (what the requests one at a time took) and the `loaded`
+    steps, their loop's time between steps included, cost what they took, once the processes
+    beside the worker are charged `streaming_ms` per token decoded (`Profiles.streaming_ms`).
+    Without decodes beyond one a step, all of it is per step."""
     bare = replace(profile, step_overhead_ms=0.0, seq_overhead_ms=0.0)
-    residual = 1e3 * (loaded.seconds + loaded.held_s) * (1.0 - contention) \
-        - loaded.engine_ms(bare)
     steps, decoded = loaded.num_steps, loaded.num_decoded
+    residual = 1e3 * (loaded.seconds + loaded.held_s) - loaded.engine_ms(bare) \
+        - decoded * streaming_ms
     if decoded - steps < 1.0:
         return alone_ms, 0.0
     per_seq = min(max(0.0, (residual - steps * alone_ms) / (decoded - steps)),

@@ -11,10 +11,16 @@ run), `pdserve up` runs it for real and `pdserve bench serve` sends it these run
    own time per prompt (server-side `prefill_ms`) beyond the profile its `step_overhead_ms`,
    the TTFT gap left after them the `request_overhead_ms`. Then a closed-loop burst
    (`CPU_CONCURRENCY` in flight) gives the router's and the client's CPU per output token;
-   and `SHARED_REQUESTS` at the validated rate, sampled (`pdserve.plan.cores`), how much CPU
-   the processes beside the workers (router, agents, client) took from each worker's cores
-   per output token: on this machine that comes out of the workers' cores, and from which
-   worker's depends on the load (`SimProfile.contention`, per kind of worker);
+   and a run at the validated rate, as long as a measured one (seed + CORES_SEED), sampled
+   (`pdserve.plan.cores`): how much CPU the processes beside the workers (router, agents,
+   client) took from each worker's cores per output token (on this machine that comes out of
+   the workers' cores, and from which worker's depends on the load: `SimProfile.contention`,
+   per kind of worker), and what the decode (co-located) worker's steps took beyond the
+   profile and that CPU (`pdserve.plan.steps`): the TPOT gap alone is split into its
+   `step_overhead_ms` and a `seq_overhead_ms` per sequence in a step, which only steps of many
+   sequences tell apart (the run is as long as a measured one so that its batches grow as
+   theirs do; 50 requests at 25 req/s saw a mean batch of 8 where the measured runs reached 20
+   and more, and found no cost per sequence);
 2. the measured runs: `count` requests of the workload at `rate`, once per `repeat_seeds`
    (same spec, seed, rate and count as each prediction, so the same lengths and arrival
    times), predicted with those overheads; the medians of the runs' percentiles are compared.
@@ -35,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import cast
 
-from pdserve.plan.cluster import Deployment, Profiles, output_tokens_per_s
+from pdserve.plan.cluster import Deployment, Profiles
 from pdserve.plan.search import predict
 from pdserve.plan.steps import StepTotals, split_overheads
 from pdserve.plan.workload import Workload
@@ -54,9 +60,6 @@ REPEAT_SEED = 4000  # the measured runs after the first: seed + REPEAT_SEED + r
 # one at a time, the router's fixed background work (health checks, Stats) over a slow run
 # doubled it (1.0 ms per token against ~0.5)
 CPU_CONCURRENCY = 8
-# Requests (at the validated rate, seed + CORES_SEED) during which where the router,
-# the agents and the client run, and how much, is sampled (`pdserve.plan.cores`)
-SHARED_REQUESTS = 50
 TARGET_ERROR = 0.2
 IDLE_RATE = 1e-3  # req/s: requests 1,000 s apart, each alone
 
@@ -105,8 +108,7 @@ def _error(predicted: float | None, measured: float | None) -> float | None:
 
 
 def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: Latencies,
-              shared_cores: float = 0.0, loaded_tokens_per_s: float = 0.0
-              ) -> tuple[Profiles, dict[str, float]]:
+              shared_cores: float = 0.0) -> tuple[Profiles, dict[str, float]]:
     """`profiles` with the serving overheads that make the calibration requests, one at a
     time, take what they measured (`alone`); and those overheads. The CPU that the processes
     beside the workers (router, KV agents, client) spend per output token is taken from the
@@ -137,8 +139,7 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
                - (first.tpot_p50_ms or 0.0)) if alone.tpot_p50_ms else base.step_overhead_ms
     per_seq = base.seq_overhead_ms
     if alone.steps is not None:  # the TPOT gap alone, split by the steps at the rate
-        step, per_seq = split_overheads(alone.steps, base, step, profiles.contention(
-            role, loaded_tokens_per_s))
+        step, per_seq = split_overheads(alone.steps, base, step, profiles.streaming_ms(role))
     second = predict(dep, requests, with_overheads(step, base.request_overhead_ms, per_seq),
                      IDLE_RATE, count=CALIBRATION_REQUESTS)
     request = max(0.0, base.request_overhead_ms + (alone.ttft_p50_ms or 0.0)
@@ -214,10 +215,7 @@ def validate(configs: Sequence[Deployment], workload: Workload, profiles: Profil
         if len(measured_runs) != len(seeds):
             raise ValueError(f"{dep.name}: {len(measured_runs)} measured runs for "
                              f"{len(seeds)} seeds")
-        loaded = replace(workload, seed=workload.seed + CORES_SEED).requests(
-            rate, dep.workers, min(count, SHARED_REQUESTS))
-        calibrated, overheads = calibrate(dep, workload, profiles, alone, shared_cores,
-                                          output_tokens_per_s(loaded))
+        calibrated, overheads = calibrate(dep, workload, profiles, alone, shared_cores)
         predicted_runs = []
         for seed in seeds:
             point = predict(dep, replace(workload, seed=seed), calibrated, rate, count=count)

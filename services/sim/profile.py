@@ -17,9 +17,12 @@ and default to "no effect", so a profile without them times everything as before
 `seq_overhead_ms` (what a serving worker's loop, output dispatch and streaming add to each
 step, and to each sequence decoding in it), `shared_cpu_ms_per_token`
 and `shared_cores` (processes beside the workers on their cores, such as a router and clients
-on the same machine, spending that much CPU per output token: every step is slower by
-1 / (1 - their share of the `shared_cores`); 0: not modelled), `tp_efficiency` (a worker with
-tensor parallelism N runs its steps 1 + tp_efficiency (N - 1) times faster; 0: not modelled),
+on the same machine, spending that much CPU per output token: a prefill worker's steps are
+slower by 1 / (1 - their share of the `shared_cores` at the run's mean token rate), a
+decoding worker's pay `shared_cpu_ms_per_token / shared_cores` more for each sequence in
+them, as the tokens streamed come in bursts with its batches; 0: not modelled),
+`tp_efficiency` (a worker with tensor parallelism N runs its steps 1 + tp_efficiency (N - 1)
+times faster; 0: not modelled),
 `devices_per_worker` (the cores or GPUs one worker of TP 1 uses, for goodput per device), and
 `idle_wake_ms` with `idle_wake_half_ms`: the first step after a worker was idle for g ms takes
 longer by

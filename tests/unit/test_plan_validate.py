@@ -150,15 +150,15 @@ def test_calibration_turns_what_requests_alone_took_beyond_the_model_into_overhe
 def test_the_steps_at_the_rate_split_the_gap_alone_into_per_step_and_per_sequence():
     w = Workload("fixed:300,10")
     dep = Deployment("colocated", 0, 1)
-    # 10 decode steps of 10 sequences: 200 ms of steps + 50 between them, with a fifth of the
-    # core taken by others 200 ms of the worker's; the profile prices them at 10 x 5 + 100 x 1
+    # 10 decode steps of 10 sequences: 200 ms of steps + 50 between them, 50 of it the other
+    # processes' 0.5 ms per token streamed; the profile prices them at 10 x 5 + 100 x 1
     loaded = StepTotals(steps={"decode": 10}, decoded={"decode": 100}, seconds=0.2, held_s=0.05)
     assert loaded.engine_ms(PROFILE) == pytest.approx(150.0)
     # alone one sequence's step took 1 ms more: o + s = 1 and 10 o + 100 s = 50
-    assert split_overheads(loaded, PROFILE, 1.0, 0.2) == (pytest.approx(5 / 9),
+    assert split_overheads(loaded, PROFILE, 1.0, 0.5) == (pytest.approx(5 / 9),
                                                           pytest.approx(4 / 9))
     # alone 0.2 ms more: per sequence alone already more than that, so nothing per step
-    assert split_overheads(loaded, PROFILE, 0.2, 0.2) == (0.0, pytest.approx(0.5))
+    assert split_overheads(loaded, PROFILE, 0.2, 0.5) == (0.0, pytest.approx(0.5))
     # steps of one sequence cannot tell them apart: all of it per step
     single = StepTotals(steps={"decode": 10}, decoded={"decode": 10}, seconds=0.2)
     assert split_overheads(single, PROFILE, 1.0, 0.0) == (1.0, 0.0)
@@ -210,12 +210,13 @@ def test_the_routers_and_clients_cpu_slows_the_workers_on_a_shared_machine():
     calibrated, found = validate.calibrate(dep, w, Profiles(PROFILE),
                                            Latencies(32.0, 6.0, cpu_ms_per_token=0.5), 2.0)
     assert found["shared_cpu_ms_per_token"] == 0.5 and found["shared_cores"] == 2.0
-    # 10 req/s x 10 tokens x 0.5 ms of CPU = 50 ms per s of 2 cores: 2.5%, steps / 0.975
+    # 10 req/s x 10 tokens x 0.5 ms of CPU = 50 ms per s of 2 cores: 2.5% (a prefill
+    # worker's steps / 0.975); a decoding worker pays it per token: 0.25 ms a sequence a step
     assert calibrated.default.contention(100.0) == pytest.approx(0.025)
+    assert calibrated.streaming_ms("colocated") == 0.25
     alone = predict(dep, w, PROFILE, 1.0)
-    shared = predict(dep, w, calibrated, 1.0)  # 2,000 tokens offered over 199 s
-    share = 2000 / 199 * 0.5 / 2000
-    assert shared.tpot_p50_ms == pytest.approx(alone.tpot_p50_ms / (1 - share))
+    shared = predict(dep, w, calibrated, 1.0)  # one request at a time: steps of one sequence
+    assert shared.tpot_p50_ms == pytest.approx(alone.tpot_p50_ms + 0.25)
     assert SimProfile().contention(1e6) == 0.0  # not modelled without shared_cores
     assert SimProfile(shared_cores=1, shared_cpu_ms_per_token=1).contention(1e6) == 0.9
 
@@ -236,7 +237,9 @@ def test_cpu_measured_beside_each_worker_slows_that_worker_only():
     assert calibrated.default.shared_cores == 0.0
     base = predict(dep, w, profiles, 10.0)
     slowed = predict(dep, w, calibrated, 10.0)
-    assert slowed.tpot_p50_ms == pytest.approx(base.tpot_p50_ms / 0.95, rel=2e-3)  # 100.5/s
+    # the decode worker's steps (one sequence each: a request is done before the next) pay
+    # 0.5 ms a token; the prefill worker's core loses a share at the mean rate (100.5 tokens/s)
+    assert slowed.tpot_p50_ms == pytest.approx(base.tpot_p50_ms + 0.5)
     # the prompt alone (32 ms) is computed 1 / 0.8 times slower; the handoff is not
     assert slowed.ttft_p50_ms - base.ttft_p50_ms == pytest.approx(32.0 / 0.8 - 32.0, rel=0.05)
     assert "beside the prefill worker 2.00 ms per token on its 1 core(s)" in validate.table(
