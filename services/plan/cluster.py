@@ -120,6 +120,12 @@ class Profiles:
         own = self.role(role)
         return (own if own.shared_cores else self.default).contention(output_tokens_per_s)
 
+    @property
+    def shares_cores(self) -> bool:
+        """Some kind's workers share their cores with the router and clients."""
+        return any(p is not None and p.shared_cores > 0
+                   for p in (self.default, self.prefill, self.decode))
+
     def streaming_ms(self, role: str) -> float:
         """What the processes beside a `role` worker spend on its cores per output token, per
         core (`SimProfile.contention`'s cost): a decoding worker pays it for every token of
@@ -189,8 +195,24 @@ class _Router:
         self.decoder_of: dict[int, EngineSim] = {}
         self.prefiller_of: dict[int, EngineSim] = {}
         self.failed: list[Job] = []
+        # Where the router and the clients share the workers' cores, the request's own serving
+        # work (`request_overhead_ms`, measured alone) competes there with busy workers: it
+        # is stretched by the workers' busy share so far (1 + u: half a core while they run)
+        overhead = decode_profile.request_overhead_ms
+        self._overhead_ms = overhead if profiles.shares_cores else 0.0
+        self._started_ms: float | None = None
+        self._stretched: dict[int, float] = {}
+
+    def _stretch_ms(self, now_ms: float) -> float:
+        if not self._overhead_ms or self._started_ms is None or now_ms <= self._started_ms:
+            return 0.0
+        engines = [*self.decoders.values(), *self.prefillers.values()]
+        busy = sum(e.busy_ms for e in engines) / (len(engines) * (now_ms - self._started_ms))
+        return self._overhead_ms * min(1.0, busy)
 
     def arrive(self, job: Job) -> None:
+        if self._started_ms is None:
+            self._started_ms = self.events.now_ms
         decode = self._reserve(job)
         if decode is None:
             self.failed.append(job)
@@ -244,12 +266,15 @@ class _Router:
         self.decoder_of[job.index].admit(job)
 
     def _first_token(self, job: Job, at_ms: float) -> None:
+        self._stretched[job.index] = extra = self._stretch_ms(at_ms)
+        at_ms += extra
         job.first_token_ms = at_ms
         limit = self.stop.ttft_ms if self.stop else None
         if limit is not None and at_ms - job.arrival_ms > limit:
             self._miss()
 
     def _done(self, job: Job, at_ms: float) -> None:
+        at_ms += self._stretched.pop(job.index, 0.0)  # as late as its first token came
         job.done_ms = at_ms
         decode = self.decoder_of.pop(job.index)
         self.inflight[decode.name] -= 1

@@ -250,6 +250,24 @@ def test_cpu_measured_beside_each_worker_slows_that_worker_only():
           "calibration": {"requests": 8, **found}}])
 
 
+def test_on_shared_cores_a_requests_own_serving_time_stretches_with_the_workers_busy_share():
+    from pdserve.plan.cluster import simulate
+    from pdserve.plan.workload import Request
+
+    dep = Deployment("colocated", 0, 1)
+    requests = [Request(0, 0.0, 300, 10, 0), Request(1, 1000.0, 300, 10, 0)]
+    own = replace(PROFILE, request_overhead_ms=10.0)
+    apart = simulate(dep, requests, own)
+    assert [o.ttft_ms for o in apart] == [pytest.approx(42.0)] * 2  # prompt 32 + overhead 10
+    shared = simulate(dep, requests, replace(own, shared_cores=2.0))
+    # the first token of the first: the worker busy all 32 ms so far, the overhead doubled;
+    # of the second: busy 32 + 9 x 6 + 32 ms of 1,032, the overhead x (1 + 118 / 1032)
+    assert shared[0].ttft_ms == pytest.approx(52.0)
+    assert shared[1].ttft_ms == pytest.approx(42.0 + 10.0 * 118 / 1032)
+    # the rest of the request comes as much later: TPOT as before
+    assert [o.tpot_ms for o in shared] == [pytest.approx(o.tpot_ms) for o in apart]
+
+
 def test_a_kind_without_its_own_shared_cpu_keeps_the_default_profiles():
     shared = SimProfile(shared_cpu_ms_per_token=1.0, shared_cores=2.0)
     profiles = Profiles(shared, PROFILE, None)
