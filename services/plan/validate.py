@@ -139,7 +139,8 @@ def calibrate(dep: Deployment, workload: Workload, profiles: Profiles, alone: La
                - (first.tpot_p50_ms or 0.0)) if alone.tpot_p50_ms else base.step_overhead_ms
     per_seq = base.seq_overhead_ms
     if alone.steps is not None:  # the TPOT gap alone, split by the steps at the rate
-        step, per_seq = split_overheads(alone.steps, base, step, profiles.streaming_ms(role))
+        step, per_seq = split_overheads(alone.steps, base, step + per_seq,
+                                        profiles.streaming_ms(role))
     second = predict(dep, requests, with_overheads(step, base.request_overhead_ms, per_seq),
                      IDLE_RATE, count=CALIBRATION_REQUESTS)
     request = max(0.0, base.request_overhead_ms + (alone.ttft_p50_ms or 0.0)

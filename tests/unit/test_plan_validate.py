@@ -169,6 +169,11 @@ def test_the_steps_at_the_rate_split_the_gap_alone_into_per_step_and_per_sequenc
     assert found["seq_overhead_ms"] == pytest.approx((100 - 10) / 90)  # no contention: R = 100
     assert predict(dep, w, calibrated, 1e-3, count=8).tpot_p50_ms == pytest.approx(7.0)
     assert calibrated.default.decode_step_ms(10) == pytest.approx(5 + 10 * 2)
+    # a profile that already has a cost per sequence: the gap alone is beyond it too
+    priced = Profiles(replace(PROFILE, seq_overhead_ms=0.2))
+    calibrated, _ = validate.calibrate(dep, w, priced, Latencies(35.0, 7.0, steps=replace(
+        loaded, held_s=0.0)))  # 10 o + 100 s = 50 and o + s = 1
+    assert predict(dep, w, calibrated, 1e-3, count=8).tpot_p50_ms == pytest.approx(7.0)
 
 
 def test_a_workers_step_totals_are_read_from_its_metrics_text():
