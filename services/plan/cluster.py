@@ -195,11 +195,12 @@ class _Router:
         self.decoder_of: dict[int, EngineSim] = {}
         self.prefiller_of: dict[int, EngineSim] = {}
         self.failed: list[Job] = []
-        # Where the router and the clients share the workers' cores, the request's own serving
-        # work (`request_overhead_ms`, measured alone) competes there with busy workers: it
-        # is stretched by the workers' busy share so far (1 + u: half a core while they run)
-        overhead = decode_profile.request_overhead_ms
-        self._overhead_ms = overhead if profiles.shares_cores else 0.0
+        # the router's and RPCs' time in every TTFT: the decode (co-located) profile carries it.
+        # Where the router and the clients share the workers' cores, that work (measured
+        # alone) competes there with busy workers: it is stretched by the workers' busy share
+        # so far (1 + u: half a core while they run)
+        self.request_overhead_ms = decode_profile.request_overhead_ms
+        self._overhead_ms = self.request_overhead_ms if profiles.shares_cores else 0.0
         self._started_ms: float | None = None
         self._stretched: dict[int, float] = {}
 
@@ -326,9 +327,7 @@ def simulate(dep: Deployment, requests: Sequence[Request], profile: SimProfile |
     events = Events()
     profiles = Profiles.of(profile)
     router = _Router(dep, profiles, events, stop, output_tokens_per_s(requests))
-    # the router's and RPCs' time: the decode (or co-located) worker's profile carries it
-    overhead = profiles.role("colocated" if dep.mode == "colocated" else "decode"
-                             ).request_overhead_ms
+    overhead = router.request_overhead_ms
     jobs = [Job(r.index, r.arrival_ms - overhead, r.prompt_tokens, r.output_tokens,
                 r.cached_tokens, r.cached_tokens) for r in requests]
     for job, request, wait in zip(jobs, requests,

@@ -59,14 +59,9 @@ class StepTotals:
     def engine_ms(self, p: SimProfile) -> float:
         """What the profile (its `step_overhead_ms` and `seq_overhead_ms` included) prices
         these steps at, the processes beside the worker not counted."""
-        bases = {"decode": p.decode_base_ms, "prefill": p.prefill_base_ms,
-                 "mixed": max(p.decode_base_ms, p.prefill_base_ms)}
-        return sum(
-            self.steps.get(k, 0.0) * (bases[k] + p.step_overhead_ms)
-            + self.decoded.get(k, 0.0) * (p.decode_ms_per_seq + p.seq_overhead_ms)
-            + self.context.get(k, 0.0) * p.decode_ms_per_attended_token
-            + self.prompt.get(k, 0.0) * p.prefill_ms_per_token
-            + self.pairs.get(k, 0.0) * p.prefill_ms_per_attended_token for k in KINDS)
+        return sum(p.steps_ms(k, self.steps.get(k, 0.0), self.decoded.get(k, 0.0),
+                              self.context.get(k, 0.0), self.prompt.get(k, 0.0),
+                              self.pairs.get(k, 0.0)) for k in KINDS)
 
 
 def parse(text: str) -> StepTotals:

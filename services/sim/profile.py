@@ -100,21 +100,27 @@ class SimProfile:
                 chunks: Iterable[tuple[int, int]] = ()) -> float:
         """One engine step: `num_decodes` sequences decoding over `context_tokens` tokens of
         context in all, beside prompt chunks given as (tokens computed before, chunk tokens).
-        With no chunk it is `decode_step_ms`; with no decode, one chunk from 0 is `prefill_ms`.
-        A step of both pays the larger base once and each part's per-token costs."""
+        With no chunk it is `decode_step_ms`; with no decode, one chunk from 0 is `prefill_ms`."""
         tokens = attended = 0
         for start, n in chunks:
             tokens += n
             attended += n * start + n * (n + 1) // 2
-        if not tokens:
-            return self.decode_step_ms(num_decodes, context_tokens)
-        ms = self.prefill_ms_per_token * tokens + self.prefill_ms_per_attended_token * attended \
-            + self.step_overhead_ms
-        if not num_decodes:
-            return self.prefill_base_ms + ms
-        return max(self.prefill_base_ms, self.decode_base_ms) + ms \
-            + (self.decode_ms_per_seq + self.seq_overhead_ms) * num_decodes \
-            + self.decode_ms_per_attended_token * context_tokens
+        kind = "decode" if not tokens else "prefill" if not num_decodes else "mixed"
+        return self.steps_ms(kind, 1, num_decodes, context_tokens, tokens, attended)
+
+    def steps_ms(self, kind: str, steps: float, decodes: float, context_tokens: float,
+                 prompt_tokens: float, prompt_pairs: float) -> float:
+        """`steps` engine steps of one kind (decode, prefill or mixed, as a worker's metrics
+        count them) that decoded `decodes` tokens over `context_tokens` of context and
+        computed `prompt_tokens` prompt tokens attending `prompt_pairs` (query, key) pairs in
+        all. A mixed step pays the larger base once and each part's per-token costs."""
+        base = self.decode_base_ms if kind == "decode" else self.prefill_base_ms \
+            if kind == "prefill" else max(self.prefill_base_ms, self.decode_base_ms)
+        return steps * (base + self.step_overhead_ms) \
+            + (self.decode_ms_per_seq + self.seq_overhead_ms) * decodes \
+            + self.decode_ms_per_attended_token * context_tokens \
+            + self.prefill_ms_per_token * prompt_tokens \
+            + self.prefill_ms_per_attended_token * prompt_pairs
 
     def contention(self, output_tokens_per_s: float) -> float:
         """The share of the workers' cores that processes beside them take at this output
