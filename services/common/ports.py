@@ -25,7 +25,7 @@ _lock = threading.Lock()
 _given: set[int] = set()
 
 
-def _range() -> tuple[int, int]:
+def listener_range() -> tuple[int, int]:
     """[low, high) for picks: below the machine's ephemeral range, or above it if that
     leaves too few."""
     try:
@@ -40,7 +40,8 @@ def _range() -> tuple[int, int]:
     return 1024, 65536  # the whole space is ephemeral: the bind check is all there is
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether `port` can be bound now on every interface and on loopback."""
     for host in ("0.0.0.0", "127.0.0.1"):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -53,12 +54,12 @@ def _bindable(port: int) -> bool:
 def free_port_block(n: int = 1) -> int:
     """A base port with `n` consecutive free loopback ports from it (each checked by binding),
     none handed out before by this process."""
-    lo, hi = _range()
+    lo, hi = listener_range()
     with _lock:
         for _ in range(_TRIES):
             base = random.randrange(lo, hi - n)
             block = range(base, base + n)
-            if any(p in _given for p in block) or not all(_bindable(p) for p in block):
+            if any(p in _given for p in block) or not all(bindable(p) for p in block):
                 continue
             _given.update(block)
             return base

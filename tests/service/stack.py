@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from pdserve.common.ports import bindable, listener_range
 from pdserve.common.security import ChannelSecurity
 from pdserve.up import metrics_offset
 from pdserve.v1 import (
@@ -29,30 +29,23 @@ _HANDED_OUT_LOCK = threading.Lock()
 
 
 def _port_block(n: int, tries: int = 50) -> int:
-    """A base port with n free ports above it (on loopback, checked by binding), none handed
-    to another stack of this process that is still running."""
+    """A base port with n free ports above it (checked by binding), below the ephemeral range
+    (pdserve.common.ports: a port there can be taken by any outgoing connection between this
+    check and the service's bind, as CI saw), none handed to another stack of this process
+    that is still running."""
+    lo, hi = listener_range()
     for _ in range(tries):
-        base = random.randint(20000, 40000)
+        base = random.randrange(lo, hi - n)
         block = set(range(base, base + n))
         with _HANDED_OUT_LOCK:
             if block & _HANDED_OUT:
                 continue
             _HANDED_OUT.update(block)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
+        if all(bindable(p) for p in block):
             return base
-        except OSError:
-            with _HANDED_OUT_LOCK:
-                _HANDED_OUT.difference_update(block)
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
+        with _HANDED_OUT_LOCK:
+            _HANDED_OUT.difference_update(block)
+    raise RuntimeError(f"no block of {n} free ports in {lo}-{hi - 1} after {tries} tries")
 
 
 def _give_back(base: int, n: int) -> None:
