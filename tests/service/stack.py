@@ -32,7 +32,9 @@ def _port_block(n: int, tries: int = 50) -> int:
     """A base port with n free ports above it (checked by binding), below the ephemeral range
     (pdserve.common.ports: a port there can be taken by any outgoing connection between this
     check and the service's bind, as CI saw), none handed to another stack of this process
-    that is still running."""
+    that is still running. Its own ledger, not free_port_block's: stacks give their blocks
+    back, the suite's single free_port() picks are never given back, and in one ledger those
+    scatter until no block of 85 fits."""
     lo, hi = listener_range()
     for _ in range(tries):
         base = random.randrange(lo, hi - n)
