@@ -122,6 +122,15 @@ def _healthy(metrics_url: str) -> float:
     return float(sum(s.value for s in _samples(metrics_url, "pdserve_workers_healthy")))
 
 
+def _cache_index(metrics_url: str) -> dict[str, int] | None:
+    """Workers the router's prefix-cache index knows, and the pages it says they hold."""
+    try:
+        samples = _samples(metrics_url, "pdserve_router_cache_index_pages")
+    except OSError:
+        return None
+    return {"workers": len(samples), "pages": int(sum(s.value for s in samples))}
+
+
 GC_SLOTS = {"pdserve_gc_pause_seconds_count": 0, "pdserve_gc_pause_seconds_sum": 1}
 
 
@@ -290,6 +299,7 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
     window.router_gc = {gen: [a - b for a, b in zip(end, pauses["start"].get(gen, [0.0, 0.0]))]
                         for gen, end in pauses.get("end", {}).items()}
     window.router_cores = len(router.cpus or os.sched_getaffinity(0))
+    window.cache_index = _cache_index(metrics_url) if kind == "pdserve" else None
     window.harness_cores = len(os.sched_getaffinity(0))
     window.vanished = args.workers - survivors if vanish is not None else 0
     window.unhealthy_after_s = unhealthy[0] if unhealthy else None

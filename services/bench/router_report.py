@@ -30,6 +30,8 @@ class Window:
     unhealthy_after_s: float | None = None
     # the router's garbage collections in the window, per generation: [collections, seconds]
     router_gc: dict[str, list[float]] = field(default_factory=dict)
+    # the router's prefix-cache index at the end: workers it knows, pages (None: no /metrics)
+    cache_index: dict[str, int] | None = None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -112,6 +114,7 @@ def summarize(shots: list[Shot], ledger: dict[str, float], stable: frozenset[str
             "cores_busy": window.router_cpu_s / wall, "cores": window.router_cores},
         "router_gc": {gen: {"collections": int(n), "ms": s * 1e3}
                       for gen, (n, s) in sorted(window.router_gc.items())},
+        "cache_index": window.cache_index,
         "harness": {"cores_busy": window.harness_cpu_s / wall, "cores": window.harness_cores,
                     "send_lag_ms": percentiles([s.lag_ms for s in measured])},
         "workers_seen": len(seen),
@@ -137,6 +140,13 @@ def _gc(pauses: dict[str, dict[str, float]]) -> str:
                      sorted(pauses.items(), reverse=True)) + " (gen 2: full collections)"
 
 
+def _cache(index: dict[str, int] | None) -> str:
+    if index is None:
+        return "- (no /metrics)"
+    return (f"{index['workers']} workers' prefix caches known to the router at the end "
+            f"({index['pages']} pages)")
+
+
 def show(r: dict[str, Any]) -> None:
     cpu, harness, disc = r["router_cpu"], r["harness"], r["discovery"]
     added = r["router_added_ms"]
@@ -157,6 +167,7 @@ def show(r: dict[str, Any]) -> None:
         f"{r['output_tokens']} output tokens; with a second run's other --output-tokens: "
         f"REQUEST,TOKEN)",
         f"  router GC pauses    {_gc(r.get('router_gc') or {})}",
+        f"  cache index         {_cache(r.get('cache_index'))}",
         f"  harness             {harness['cores_busy']:.2f} of {harness['cores']} core(s) busy, "
         f"send lag p99 {_ms(harness['send_lag_ms'], 'p99')} ms",
         f"  workers used        {r['workers_seen']} of {r['workers']}"

@@ -1,4 +1,5 @@
-"""The router's side of the workers' cache events: one stream per worker, into the index.
+"""The router's side of the workers' cache events, into the index: a stream per worker in a
+pool up to FOLLOW_MAX_WORKERS, the workers' Stats reads in a larger one.
 
 `CacheFeeds.sync(members)` (called after each health-check round) follows every healthy
 member and stops following those that left: their entries leave the index at once. A broken
@@ -6,8 +7,12 @@ stream drops the worker's entries and is opened again (a new snapshot) after `re
 worker that does not serve CacheEvents (older) is left out of cache-aware placement. The
 prompt's page keys are computed here with the worker's own layout (the snapshot names it), so
 workers of another model or block size never match.
-"""
 
+A larger pool is followed without streams: each worker's Stats read (which the router makes
+anyway, every worker every `members / CHECKS_PER_S` seconds: 10 s for 1,000) sends a cursor
+and brings back the changes after it (`cursor`, `polled`); the index lags by up to a read
+period, but costs no message of its own.
+"""
 from __future__ import annotations
 
 import logging
@@ -34,7 +39,8 @@ class Followed:
 
 # Following a worker's cache events holds a gRPC stream and a thread in the router: with 1,000
 # simulated workers, 1,000 streams starved the router's own server (no request was served at
-# all; docs/benchmarks.md, issue 24). Larger pools are placed without them.
+# all; docs/benchmarks.md, issue 24); on one asyncio loop instead they cost 19% more CPU a
+# request and doubled the router-added p50. Larger pools are followed through their Stats.
 FOLLOW_MAX_WORKERS = 128
 
 
@@ -50,20 +56,26 @@ class CacheFeeds:
         self._layout: dict[str, tuple[int, int]] = {}   # worker -> (root key, block size)
         self._layouts: dict[tuple[int, int], int] = {}  # layout -> workers that have it
         self._unsupported: set[str] = set()
-        self._too_many = False  # the pool is past FOLLOW_MAX_WORKERS (warned once)
+        self._too_many = False  # past FOLLOW_MAX_WORKERS: followed through Stats
+        self._polled: set[str] = set()  # workers whose Stats brought entries
         # One request's placements (decode, prefill) and speculations all ask for the keys of
         # the same prompt, on the same thread: hashed once per layout, not once per question.
         self._recent = threading.local()
 
     def sync(self, members: Iterable[Followed]) -> None:
         """Follow these workers (start streams for new ones); stop following the rest. More
-        than FOLLOW_MAX_WORKERS: none (see FOLLOW_MAX_WORKERS)."""
+        than FOLLOW_MAX_WORKERS: no streams, their Stats reads bring their events."""
         wanted = {m.address: m for m in members}
+        with self._lock:
+            left = self._polled - wanted.keys()
+            self._polled -= left
+        for address in left:
+            self._forget(address)
         if len(wanted) > FOLLOW_MAX_WORKERS:
             if not self._too_many:
-                log.warning("%d workers: cache events are not followed beyond %d (a stream and "
-                            "a thread each); placement keeps this router's own recent "
-                            "placements only", len(wanted), FOLLOW_MAX_WORKERS)
+                log.info("%d workers: their cache events come with their Stats (more than %d "
+                         "would take a stream and a thread each)", len(wanted),
+                         FOLLOW_MAX_WORKERS)
             self._too_many, wanted = True, {}
         else:
             self._too_many = False
@@ -84,6 +96,31 @@ class CacheFeeds:
         for m in new:
             threading.Thread(target=self._follow, args=(m,), name=f"cache-feed-{m.address}",
                              daemon=True).start()
+
+    # ---- a large pool's, through Stats -------------------------------------------------------
+    def cursor(self, address: str) -> tuple[int, int] | None:
+        """What a Stats read of `address` asks for: the changes after (epoch, batch) the index
+        holds, (0, 0) for a snapshot; None while the pool is followed by streams."""
+        if not self._too_many:
+            return None
+        known = self.index.known(address)
+        return (0, 0) if known is None else (known.epoch, known.sequence)
+
+    def polled(self, address: str, batch: common_pb2.CacheEventBatch) -> None:
+        """The cache events a Stats read of `address` brought."""
+        if not self._too_many or self._stop.is_set():
+            return
+        if batch.snapshot:
+            fp = wire.fingerprint_from_pb(batch.fingerprint)
+            if fp is not None:
+                self._set_layout(address, (root_key(fp), fp.block_size))
+        with self._lock:
+            self._polled.add(address)
+        if not self.index.apply(address, batch.epoch, batch.sequence, batch.snapshot,
+                                batch.stored, batch.removed,
+                                since=None if batch.snapshot else batch.since):
+            log.info("cache events of %s: gap or new epoch; a snapshot at its next read",
+                     address)
 
     def close(self) -> None:
         self._stop.set()

@@ -48,10 +48,11 @@ class CacheIndex:
 
     # ---- events ---------------------------------------------------------------------------
     def apply(self, worker: str, epoch: int, sequence: int, snapshot: bool,
-              stored: Iterable[int], removed: Iterable[int]) -> bool:
-        """One batch from `worker`'s stream; False when it cannot be applied (a gap, or a
-        change batch for an epoch without its snapshot): the worker's entries are dropped
-        and the caller resubscribes for a snapshot."""
+              stored: Iterable[int], removed: Iterable[int], since: int | None = None) -> bool:
+        """One batch from `worker`'s stream (or, with `since`, the changes after batch `since`
+        read through Stats); False when it cannot be applied (a gap, or a change batch for an
+        epoch without its snapshot): the worker's entries are dropped and the caller
+        resubscribes for a snapshot."""
         with self._lock:
             self._seen[worker] = self._clock()
             if snapshot:
@@ -61,7 +62,11 @@ class CacheIndex:
                 self._epoch[worker] = (epoch, sequence)
                 return True
             known = self._epoch.get(worker)
-            if known is None or known[0] != epoch or sequence != known[1] + 1:
+            if since is None:  # a stream's next batch
+                follows = known is not None and sequence == known[1] + 1
+            else:  # what came after the batch it saw last
+                follows = known is not None and since == known[1] <= sequence
+            if known is None or known[0] != epoch or not follows:
                 self._drop_locked(worker)
                 return False
             keys = self._keys[worker]

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     feeds = CacheFeeds() if cfg.cache_aware else None
     pool = WorkerPool(interval_s=cfg.health_interval_s,
                       security=ChannelSecurity.from_options(cfg),
-                      on_checked=feeds.sync if feeds is not None else None,
+                      on_checked=feeds.sync if feeds is not None else None, cache=feeds,
                       shared_decode_stream=cfg.shared_decode_stream)
     discovery = Discovery(pool, cfg.targets("prefill"), cfg.targets("decode"),
                           interval_s=cfg.discovery_interval_s)

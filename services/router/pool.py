@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,6 +50,14 @@ ROLES = ("prefill", "decode")
 RECHECK_DOWN_S = 0.5
 
 
+class CachePoll(Protocol):
+    """What reads a large pool's cache events with its Stats (the cache feeds)."""
+
+    def cursor(self, address: str) -> tuple[int, int] | None: ...
+
+    def polled(self, address: str, batch: common_pb2.CacheEventBatch) -> None: ...
+
+
 class WorkerPool:
     """All workers of both roles, kept checked by a background thread (thread-safe)."""
 
@@ -57,9 +65,10 @@ class WorkerPool:
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  security: ChannelSecurity | None = None,
                  on_checked: Callable[[list[Followed]], None] | None = None,
-                 shared_decode_stream: bool = True):
+                 cache: CachePoll | None = None, shared_decode_stream: bool = True):
         self.interval_s = interval_s
         self._on_checked = on_checked  # after each round: the healthy members (cache feeds)
+        self._cache = cache  # a large pool's cache events, read with its Stats
         self.timeout_s = timeout_s
         self._security = security
         self._shared_decode_stream = shared_decode_stream  # DecodeMany, not a call per sequence
@@ -212,6 +221,10 @@ class WorkerPool:
                 fresh = stat.result()
             except grpc.RpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
+            if fresh is not None and fresh.HasField("cache"):
+                if self._cache is not None and worker.member:
+                    self._cache.polled(worker.address, fresh.cache)
+                fresh.ClearField("cache")  # kept below: its keys are the index's now
             if check is None:  # Stats says what Check would; an older worker's: Check next round
                 healthy = fresh is not None and (fresh.serving if fresh.HasField("serving")
                                                  else worker.healthy)
@@ -259,10 +272,22 @@ class WorkerPool:
         try:
             check = None if worker.stats is not None and worker.stats.HasField("serving") \
                 else worker.health.Check.future(health_pb2.HealthCheckRequest(), timeout=t)
-            return check, worker.stub.Stats.future(common_pb2.StatsRequest(), timeout=t)
+            return check, worker.stub.Stats.future(self._stats_request(worker), timeout=t)
         except ValueError:  # grpc: "Cannot invoke RPC: Channel closed!"
             log.debug("%s worker %s left during a check round", worker.role, worker.address)
             return None
+
+    def _stats_request(self, worker: Worker) -> common_pb2.StatsRequest:
+        """Stats, and the worker's cache events since the last read when the cache feeds read
+        them this way (once per address: a co-located worker's prefill role asks)."""
+        cursor = None
+        if self._cache is not None and (worker.role == "prefill" or
+                                        ("prefill", worker.address) not in self._workers):
+            cursor = self._cache.cursor(worker.address)
+        if cursor is None:
+            return common_pb2.StatsRequest()
+        return common_pb2.StatsRequest(cache_events=True, cache_epoch=cursor[0],
+                                       cache_sequence=cursor[1])
 
     def close(self) -> None:
         """Stop checking and close every channel."""

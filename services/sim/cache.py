@@ -6,14 +6,16 @@ last token, seeded by one fingerprint every simulated worker shares, so the rout
 index and cache-aware placement run against a simulated pool as against a real one. The
 newest `num_pages` pages are kept (the oldest evicted first). A stream starts with a snapshot,
 then sends each change as its own batch, and an empty batch when nothing changed for the
-requested heartbeat.
+requested heartbeat. Read through Stats instead (`poll`), the changes come from one numbered
+log, merged, as a real worker's (pdserve.worker.cache_feed) give them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -24,6 +26,7 @@ from pdserve.sim.profile import SimProfile
 from pdserve.v1 import common_pb2
 
 DEFAULT_HEARTBEAT_MS = 1000.0
+LOG_BATCHES = 4096  # change batches kept for readers of Stats
 
 
 def fingerprint(profile: SimProfile) -> LayoutFingerprint:
@@ -43,6 +46,9 @@ class SimCache:
         self._keys: OrderedDict[int, None] = OrderedDict()
         self._epoch = time.time_ns()
         self._streams: set[asyncio.Queue[tuple[list[int], list[int]]]] = set()
+        self._log: deque[tuple[int, list[int], list[int]]] = deque(maxlen=LOG_BATCHES)
+        self._log_seq = 0
+        self._floor = 0  # every change after this batch is in the log
 
     def _prompt_keys(self, prompt: Sequence[int]) -> list[int]:
         return page_keys(self._root, prompt, self._block, (len(prompt) - 1) // self._block)
@@ -70,6 +76,35 @@ class SimCache:
         if stored or removed:
             for stream in self._streams:
                 stream.put_nowait((stored, removed))
+            self._log_seq += 1
+            if len(self._log) == self._log.maxlen:
+                self._floor = self._log[0][0]
+            self._log.append((self._log_seq, stored, removed))
+
+    def poll(self, request: common_pb2.StatsRequest) -> common_pb2.CacheEventBatch:
+        """What Stats brings a router asking for cache events: the changes after its
+        cursor merged, or a snapshot (cursor 0, another epoch, or older than the log)."""
+        since = request.cache_sequence if request.cache_epoch == self._epoch else 0
+        if not 0 < since or not self._floor <= since <= self._log_seq:
+            self._log_seq += 1
+            return common_pb2.CacheEventBatch(
+                worker_id=self.name, epoch=self._epoch, sequence=self._log_seq, snapshot=True,
+                stored=list(self._keys), block_size=self._block,
+                fingerprint=wire.fingerprint_to_pb(self._fingerprint))
+        stored: dict[int, None] = {}
+        removed: dict[int, None] = {}
+        newer = list(itertools.takewhile(lambda b: b[0] > since, reversed(self._log)))
+        for _, added, gone in reversed(newer):
+            for key in added:
+                stored[key] = None
+                removed.pop(key, None)
+            for key in gone:
+                removed[key] = None
+                stored.pop(key, None)
+        return common_pb2.CacheEventBatch(worker_id=self.name, epoch=self._epoch,
+                                          sequence=self._log_seq, stored=list(stored),
+                                          removed=list(removed), block_size=self._block,
+                                          since=since)
 
     async def events(self, request: common_pb2.CacheEventsRequest,
                      context: grpc.aio.ServicerContext

@@ -46,6 +46,12 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
+def _cache_events(cache: SimCache, request: common_pb2.StatsRequest
+                  ) -> dict[str, common_pb2.CacheEventBatch]:
+    """Stats' `cache` field, when the router asks for it."""
+    return {"cache": cache.poll(request)} if request.cache_events else {}
+
+
 @dataclass
 class _Held:
     """Pages a Reserve granted: waiting for their sequence until `expires`, or live."""
@@ -150,7 +156,8 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
                                       num_pages=self.profile.num_pages,
                                       free_pages=self.free_pages, running_sequences=live,
                                       reserved_tickets=len(self.held) - live,
-                                      max_model_len=self.profile.max_model_len)
+                                      max_model_len=self.profile.max_model_len,
+                                      **_cache_events(self.cache, request))
 
     async def CacheEvents(self, request: common_pb2.CacheEventsRequest,
                           context: grpc.aio.ServicerContext
@@ -332,4 +339,5 @@ class SimPrefill(prefill_pb2_grpc.PrefillServicer):
                                       running_sequences=int(self.computing.locked()),
                                       waiting_sequences=self.waiting,
                                       queued_prompt_tokens=self.queued_tokens,
-                                      max_model_len=self.profile.max_model_len)
+                                      max_model_len=self.profile.max_model_len,
+                                      **_cache_events(self.cache, request))

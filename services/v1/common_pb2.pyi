@@ -119,7 +119,7 @@ class CacheEventsRequest(_message.Message):
     def __init__(self, heartbeat_ms: _Optional[float] = ...) -> None: ...
 
 class CacheEventBatch(_message.Message):
-    __slots__ = ("worker_id", "epoch", "sequence", "snapshot", "stored", "removed", "block_size", "fingerprint")
+    __slots__ = ("worker_id", "epoch", "sequence", "snapshot", "stored", "removed", "block_size", "fingerprint", "since")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class CacheEventBatch(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     sequence: int
@@ -136,14 +137,21 @@ class CacheEventBatch(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     fingerprint: LayoutFingerprint
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ...) -> None: ...
+    since: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., since: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cache_events", "cache_epoch", "cache_sequence")
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    cache_events: bool
+    cache_epoch: int
+    cache_sequence: int
+    def __init__(self, cache_events: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., cache_sequence: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_pages", "free_pages", "running_sequences", "waiting_sequences", "reserved_tickets", "queued_prompt_tokens", "fingerprint", "max_model_len", "cached_pages", "serving")
+    __slots__ = ("worker_id", "role", "num_pages", "free_pages", "running_sequences", "waiting_sequences", "reserved_tickets", "queued_prompt_tokens", "fingerprint", "max_model_len", "cached_pages", "serving", "cache")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +164,7 @@ class WorkerStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_pages: int
@@ -168,4 +177,5 @@ class WorkerStats(_message.Message):
     max_model_len: int
     cached_pages: int
     serving: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., reserved_tickets: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., max_model_len: _Optional[int] = ..., cached_pages: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    cache: CacheEventBatch
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_sequences: _Optional[int] = ..., waiting_sequences: _Optional[int] = ..., reserved_tickets: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[LayoutFingerprint, _Mapping]] = ..., max_model_len: _Optional[int] = ..., cached_pages: _Optional[int] = ..., serving: _Optional[bool] = ..., cache: _Optional[_Union[CacheEventBatch, _Mapping]] = ...) -> None: ...

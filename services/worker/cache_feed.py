@@ -7,6 +7,12 @@ first change batch; then the changes the allocator recorded (stored, removed), g
 idle worker from a dead one. The allocator records only while someone subscribes, so a worker
 without routers keeps nothing. `epoch` is new at every start: a router that sees another epoch
 for the same worker drops what it had and takes the new snapshot.
+
+Routers in front of a pool too large for a stream per worker read the same changes through
+Stats instead (`poll`): the feed then keeps one numbered log of change batches, shared by
+every such router, each asking for what came after the batch it saw last. The log keeps the
+newest POLL_LOG_BATCHES batches (a router further behind gets a snapshot), and stops, keeping
+nothing, once no router has read it for POLL_IDLE_S.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -21,15 +29,20 @@ from pdserve.engine.allocator import CacheEvents
 from pdserve.engine.engine import Engine
 from pdserve.engine.loop import EngineLoop
 
+POLL_LOG_BATCHES = 4096  # change batches kept for routers reading Stats
+POLL_IDLE_S = 120.0  # no such read for this long: the log stops
+
 
 @dataclass(frozen=True)
 class CacheBatch:
-    """One message of a subscriber's stream (the wire's CacheEventBatch, as plain types)."""
+    """One message of a subscriber's stream (the wire's CacheEventBatch, as plain types);
+    read through Stats, the changes after batch `since`."""
 
     sequence: int
     snapshot: bool = False
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
+    since: int = 0
 
 
 class CacheFeed:
@@ -40,6 +53,11 @@ class CacheFeed:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # The log routers read through Stats: (sequence, stored, removed) after batch `_floor`
+        self._log: deque[tuple[int, list[int], list[int]]] = deque(maxlen=POLL_LOG_BATCHES)
+        self._log_seq = 0
+        self._floor = 0
+        self._polled_at: float | None = None  # monotonic time of the last read; None: off
         self._thread = threading.Thread(target=self._run, name="cache-feed", daemon=True)
         self._thread.start()
 
@@ -78,6 +96,40 @@ class CacheFeed:
             with self._lock:
                 self._subs.pop(sub_id, None)
 
+    def poll(self, since: int) -> CacheBatch:
+        """For a router reading Stats: the changes after log batch `since`, merged into one
+        batch, or a snapshot when `since` is 0 or the log no longer reaches back to it. The
+        log runs (and the allocator records for it) from the first read on."""
+        with self._lock:
+            self._polled_at = time.monotonic()
+            if 0 < since and self._floor <= since <= self._log_seq:
+                return self._merged_locked(since)
+
+        def snapshot(engine: Engine) -> CacheBatch:
+            self._deliver(engine)  # what came before goes into the log (if it ran) first
+            engine.allocator.recording = True
+            with self._lock:
+                if self._polled_at is None:  # stopped meanwhile: start it again
+                    self._polled_at = time.monotonic()
+                self._log_seq += 1  # the snapshot's own number: what follows comes after it
+                return CacheBatch(self._log_seq, snapshot=True, stored=engine.allocator.keys())
+
+        return self._loop.submit(snapshot)
+
+    def _merged_locked(self, since: int) -> CacheBatch:
+        newer = list(itertools.takewhile(lambda b: b[0] > since, reversed(self._log)))
+        stored: dict[int, None] = {}  # in order of arrival
+        removed: dict[int, None] = {}
+        for _, added, gone in reversed(newer):
+            for key in added:
+                stored[key] = None
+                removed.pop(key, None)
+            for key in gone:
+                removed[key] = None
+                stored.pop(key, None)
+        return CacheBatch(self._log_seq, stored=list(stored), removed=list(removed),
+                          since=since)
+
     def close(self) -> None:
         self._stop.set()
         with self._lock:
@@ -88,7 +140,10 @@ class CacheFeed:
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):
             with self._lock:
-                if not self._subs:
+                if self._polled_at is not None and \
+                        time.monotonic() - self._polled_at > POLL_IDLE_S:
+                    self._stop_log_locked()
+                if not self._subs and self._polled_at is None:
                     continue
             try:
                 self._loop.submit(self._deliver)
@@ -98,7 +153,7 @@ class CacheFeed:
     def _deliver(self, engine: Engine) -> None:
         """Under the engine lock: hand the changes recorded so far to every subscriber."""
         with self._lock:
-            if not self._subs:
+            if not self._subs and self._polled_at is None:
                 engine.allocator.recording = False
                 engine.allocator.take_events()
                 return
@@ -106,3 +161,17 @@ class CacheFeed:
             if events:
                 for q in self._subs.values():
                     q.put(events)
+                if self._polled_at is not None:
+                    self._log_seq += 1
+                    if len(self._log) == self._log.maxlen:
+                        self._floor = self._log[0][0]  # dropped: older readers need a snapshot
+                    self._log.append((self._log_seq, [k for k, _ in events.stored],
+                                      list(events.removed)))
+
+    def _stop_log_locked(self) -> None:
+        """No router reads the log any more: forget it (a later read starts with a snapshot,
+        numbered past every batch the log ever had, so no old cursor fits)."""
+        self._polled_at = None
+        self._log.clear()
+        self._log_seq += 1
+        self._floor = self._log_seq

@@ -129,7 +129,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return _stats_to_pb(self.worker.stats(), self.worker.serving)
+        return _stats(self.worker, request)
 
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
@@ -190,7 +190,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def Stats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
               ) -> common_pb2.WorkerStats:
-        return _stats_to_pb(self.worker.stats(), self.worker.serving)
+        return _stats(self.worker, request)
 
     def CacheEvents(self, request: common_pb2.CacheEventsRequest, context: grpc.ServicerContext
                     ) -> Iterator[common_pb2.CacheEventBatch]:
@@ -274,6 +274,23 @@ def _cache_events(worker: CacheSource, request: common_pb2.CacheEventsRequest,
             yield pb
     finally:
         stream.close()
+
+
+def _stats(worker: PrefillBackend | DecodeBackend, request: common_pb2.StatsRequest
+           ) -> common_pb2.WorkerStats:
+    """Stats, with the cache's changes since the caller's cursor when it asks for them."""
+    pb = _stats_to_pb(worker.stats(), worker.serving)
+    if request.cache_events:
+        since = request.cache_sequence if request.cache_epoch == worker.epoch else 0
+        batch = worker.cache_feed.poll(since)
+        fingerprint = worker.engine.pool.fingerprint
+        pb.cache.CopyFrom(common_pb2.CacheEventBatch(
+            worker_id=worker.worker_id, epoch=worker.epoch, sequence=batch.sequence,
+            snapshot=batch.snapshot, stored=batch.stored, removed=batch.removed,
+            block_size=fingerprint.block_size, since=batch.since))
+        if batch.snapshot:
+            pb.cache.fingerprint.CopyFrom(wire.fingerprint_to_pb(fingerprint))
+    return pb
 
 
 def _stats_to_pb(stats: WorkerStats, serving: Callable[[], bool] | None = None

@@ -75,13 +75,16 @@ class Stack:
             return list(router_pb2_grpc.RouterStub(ch).Generate(
                 router_pb2.GenerateRequest(**fields), timeout=timeout_s))
 
-    def prefill_stats(self, index: int = 0) -> common_pb2.WorkerStats:
+    def prefill_stats(self, index: int = 0, **ask) -> common_pb2.WorkerStats:
+        """The prefill worker's Stats (`ask`: StatsRequest's fields)."""
         with grpc.insecure_channel(self.prefill[index]) as ch:
-            return prefill_pb2_grpc.PrefillStub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
+            return prefill_pb2_grpc.PrefillStub(ch).Stats(common_pb2.StatsRequest(**ask),
+                                                          timeout=10)
 
-    def decode_stats(self, index: int = 0) -> common_pb2.WorkerStats:
+    def decode_stats(self, index: int = 0, **ask) -> common_pb2.WorkerStats:
         with grpc.insecure_channel(self.decode[index]) as ch:
-            return decode_pb2_grpc.DecodeStub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
+            return decode_pb2_grpc.DecodeStub(ch).Stats(common_pb2.StatsRequest(**ask),
+                                                        timeout=10)
 
 
 @contextlib.contextmanager

@@ -59,6 +59,11 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     gc_ = r["router_gc"]  # from the router's /metrics, over the window
     assert set(gc_) == {"0", "1", "2"} and gc_["0"]["collections"] > 0 and gc_["0"]["ms"] > 0
     assert "router GC pauses    gen 2 " in run.stdout
+    # 140 workers: past the streams' limit, their caches come with their Stats reads; those
+    # alive at the end are known, with the pages of the prompts they computed or hold
+    cache = r["cache_index"]
+    assert 112 <= cache["workers"] <= 140 and cache["pages"] > 100, cache
+    assert f"cache index         {cache['workers']} workers' prefix caches" in run.stdout
     # what to give pdserve plan for the routers' cores: this run's CPU per request
     assert f"for pdserve plan    --router-cpu-ms {r['router_cpu']['ms_per_request']:.2f} " \
         "(requests of 8 output tokens;" in run.stdout
@@ -81,7 +86,7 @@ def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(t
         assert f["workers_seen"] == 8  # workers in turn; Timing names both of each request
         assert f["router_cpu"]["ms_per_request"] > 0 and f["router_added_ms"]["n"] > 20
         assert f["discovery"]["all_healthy_s"] is None  # a floor checks no health
-        assert f["router_gc"] == {}  # nor serves /metrics
+        assert f["router_gc"] == {} and f["cache_index"] is None  # nor serves /metrics
     rows = [line.split() for line in run.stdout.splitlines()
             if line.startswith(("  pdserve ", "  floor aio ", "  floor sync "))]
     assert [row[0] for row in rows] == ["pdserve", "floor", "floor"] and rows[0][-1] == "1.00x"

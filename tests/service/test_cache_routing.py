@@ -68,6 +68,22 @@ def test_conversations_stay_with_their_history_and_spread_over_decode_workers():
         assert got >= 0.9 * perfect, (got, perfect)
         router = s.scrape("router")
         assert _metric(router, "pdserve_router_cache_index_pages") > 0
+        # What a router in front of a pool too large for streams reads instead, with Stats:
+        # a snapshot of what the prefill worker holds, then the changes after that cursor.
+        snap = s.prefill_stats(cache_events=True).cache
+        assert snap.snapshot and len(snap.stored) >= 12 and snap.fingerprint.block_size == 16
+        assert not s.prefill_stats().HasField("cache")  # only when asked
+        fresh = _tokens(999, 40)
+        collect(s.generate(token_ids=fresh, max_tokens=2, temperature=0.0))
+
+        def changed():
+            return s.prefill_stats(cache_events=True, cache_epoch=snap.epoch,
+                                   cache_sequence=snap.sequence).cache
+
+        assert wait_for(lambda: len(changed().stored) == 2, timeout_s=10)  # 40 tokens: 2 pages
+        change = changed()
+        assert (change.snapshot, change.since, change.epoch) == (False, snap.sequence, snap.epoch)
+        assert not set(change.stored) & set(snap.stored)
 
 
 def test_a_restarted_worker_starts_empty_in_the_index(tiny_model_dir, tmp_path):

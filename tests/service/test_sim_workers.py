@@ -298,3 +298,74 @@ def test_a_router_at_its_stream_limit_refuses_the_next_at_once(tiny_model_dir) -
 
         assert wait_for(served, timeout_s=10)
         busy[1].cancel()
+
+
+def test_a_pool_past_the_stream_limit_has_its_cache_read_with_its_stats(tiny_model_dir) -> None:
+    """Beyond FOLLOW_MAX_WORKERS a router follows the workers' caches through the Stats reads
+    it makes anyway: the first read of a worker brings a snapshot, later ones the changes after
+    the cursor sent (a wrong epoch or a cursor the log does not keep: a snapshot again). Two
+    real routers in front of 200 + 200 simulated workers: a prefix one of them placed reaches
+    the other's index within a read round and is then sent to the same prefill worker, which
+    only the worker's events can have told it."""
+    import re
+    import urllib.request
+
+    from pdserve.common.prefix import page_keys, root_key
+    from pdserve.router.cache_feed import FOLLOW_MAX_WORKERS
+    from pdserve.sim.cache import fingerprint
+    from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+
+    n = 200
+    assert 2 * n > FOLLOW_MAX_WORKERS
+    first = f"127.{os.getpid() % 200 + 20}.248.1"
+    pport, dport, metrics = free_port(), free_port(), free_port()
+    cfg = SimConfig(prefill=n, decode=n, first_address=first, prefill_port=pport,
+                    decode_port=dport)
+    sim = pdserve_argv("sim", "--prefill", str(n), "--decode", str(n), "--first-address", first,
+                       "--prefill-port", str(pport), "--decode-port", str(dport))
+    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    ask = common_pb2.StatsRequest
+    with running(sim, decode[-1]):
+        with grpc.insecure_channel(prefill[7]) as ch:
+            stub = prefill_pb2_grpc.PrefillStub(ch)
+            snap = stub.Stats(ask(cache_events=True), timeout=5).cache
+            assert snap.snapshot and list(snap.stored) == [] and snap.sequence >= 1
+            assert not stub.Stats(ask(), timeout=5).HasField("cache")  # only when asked
+            prompt = [3 + j % 190 for j in range(40)]  # two full pages before its last token
+            stub.Prefill(prefill_pb2.PrefillRequest(request_id="p", token_ids=prompt),
+                         timeout=10)
+            change = stub.Stats(ask(cache_events=True, cache_epoch=snap.epoch,
+                                    cache_sequence=snap.sequence), timeout=5).cache
+            assert (change.snapshot, change.since) == (False, snap.sequence)
+            assert list(change.stored) == page_keys(root_key(fingerprint(SimProfile())),
+                                                    prompt, 16, 2)
+            for epoch, seq in ((snap.epoch + 1, change.sequence), (snap.epoch, 10**9)):
+                again = stub.Stats(ask(cache_events=True, cache_epoch=epoch,
+                                       cache_sequence=seq), timeout=5).cache
+                assert again.snapshot and list(again.stored) == list(change.stored)
+
+        def router(port: int, metrics_port: int) -> list[str]:
+            return pdserve_argv("router", "--model", str(tiny_model_dir), "--port", str(port),
+                                "--http-port", "-1", "--metrics-port", str(metrics_port),
+                                "--prefill", ",".join(prefill), "--decode", ",".join(decode),
+                                "--remote-prefill-min-tokens", "0")
+
+        def known_to_b(address: str) -> int:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+                found = re.search(rf'^pdserve_router_cache_index_pages{{worker="{address}"}} '
+                                  r"(\S+)$", r.read().decode(), re.M)
+            return int(float(found.group(1))) if found else 0
+
+        ports = [free_port(), free_port()]
+        with running(router(ports[0], -1), f"127.0.0.1:{ports[0]}"), \
+                running(router(ports[1], metrics), f"127.0.0.1:{ports[1]}"), \
+                grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as a, \
+                grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as b:
+            one, other = router_pb2_grpc.RouterStub(a), router_pb2_grpc.RouterStub(b)
+            for k in range(2):
+                shared = [11 + (j * (k + 2)) % 170 for j in range(64)]
+                where = _generate(one, shared + [4], 2)[1]["prefill"]
+                address = where.split("@", 1)[1]
+                # 400 workers read 100 a second: each within ~4 s, bounded here at 20
+                assert wait_for(lambda a=address: known_to_b(a) >= 4, timeout_s=20), where
+                assert _generate(other, shared + [5], 2)[1]["prefill"] == where, k

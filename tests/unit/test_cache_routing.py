@@ -153,6 +153,67 @@ def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
         engine.close()
 
 
+def test_a_router_reading_stats_gets_the_changes_since_its_cursor(tiny, monkeypatch):
+    """The log routers of a large pool read through Stats: a snapshot first (numbered), then
+    the changes after the cursor merged (a page stored and then evicted only removed), a
+    snapshot again for a cursor older than the log keeps; the index applies each in turn."""
+    from pdserve.worker import cache_feed
+
+    monkeypatch.setattr(cache_feed, "POLL_LOG_BATCHES", 2)
+    engine = Engine(tiny, EngineConfig(num_pages=8, chunk_size=64))
+    loop = EngineLoop(engine).start()
+    feed = CacheFeed(loop, period_s=0.005)
+    index = CacheIndex()
+    ids = itertools.count()
+
+    def run(prompt: list[int]) -> None:
+        rid = f"r{next(ids)}"
+        _, outputs = loop.start_sequence(rid, lambda e: e.add_request(
+            rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+        for _ in range(100):
+            if outputs.get(timeout=10).finish_reason:
+                break
+        loop.unsubscribe(rid)
+
+    def delivered(since: int) -> cache_feed.CacheBatch:  # the engine's events in the log
+        loop.submit(feed._deliver)
+        return feed.poll(since)
+
+    def apply(batch: cache_feed.CacheBatch) -> bool:
+        return index.apply("w", 7, batch.sequence, batch.snapshot, batch.stored, batch.removed,
+                           since=None if batch.snapshot else batch.since)
+
+    try:
+        run(list(range(10, 43)))  # 2 full pages, before anyone reads
+        first = feed.poll(0)
+        assert first.snapshot and first.sequence >= 1 and len(first.stored) == 2
+        assert apply(first) and index.sizes() == {"w": 2}
+        quiet = delivered(first.sequence)
+        assert (quiet.snapshot, quiet.since, quiet.stored, quiet.removed) == \
+            (False, first.sequence, [], [])
+        run(list(range(100, 133)))  # 2 pages more
+        more = delivered(first.sequence)
+        assert not more.snapshot and more.since == first.sequence and len(more.stored) == 2
+        assert apply(more) and index.sizes() == {"w": 4}
+        run(list(range(200, 290)))  # 6 pages: evicts cached ones
+        evicted = delivered(more.sequence)
+        assert set(evicted.removed) <= set(first.stored) | set(more.stored) and evicted.removed
+        assert not set(evicted.stored) & set(evicted.removed)
+        assert apply(evicted)
+        assert index.sizes()["w"] == 4 + len(evicted.stored) - len(evicted.removed)
+        assert not apply(more)  # replayed: not what follows the index's cursor
+        # Two more change batches, and the log (2 batches here) no longer reaches back.
+        run(list(range(300, 333)))
+        loop.submit(feed._deliver)
+        run(list(range(400, 433)))
+        again = delivered(first.sequence)
+        assert again.snapshot and again.sequence > evicted.sequence
+    finally:
+        feed.close()
+        loop.stop()
+        engine.close()
+
+
 def test_a_burst_sees_the_requests_this_router_already_placed():
     """Stats lag a burst: what this router has in flight on a worker counts as its load."""
     stale = [DecodeLoad("d0", True, free_pages=100, inflight=3),
