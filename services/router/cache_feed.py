@@ -11,7 +11,8 @@ workers of another model or block size never match.
 A larger pool is followed without streams: each worker's Stats read (which the router makes
 anyway, every worker every `members / CHECKS_PER_S` seconds: 10 s for 1,000) sends a cursor
 and brings back the changes after it (`cursor`, `polled`); the index lags by up to a read
-period, but costs no message of its own.
+period, but costs no message of its own; so that the router does not forget its own
+placements meanwhile, it counts them as held for a read period (and a second) instead of 2 s.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import grpc
 from pdserve.common import wire
 from pdserve.common.prefix import page_keys, root_key
 from pdserve.router.cache_index import CacheIndex
+from pdserve.router.check_schedule import CHECKS_PER_S
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.router.cache")
@@ -58,6 +60,7 @@ class CacheFeeds:
         self._unsupported: set[str] = set()
         self._too_many = False  # past FOLLOW_MAX_WORKERS: followed through Stats
         self._polled: set[str] = set()  # workers whose Stats brought entries
+        self._guess_s = self.index.speculative_s  # a placement held until events say so
         # One request's placements (decode, prefill) and speculations all ask for the keys of
         # the same prompt, on the same thread: hashed once per layout, not once per question.
         self._recent = threading.local()
@@ -76,9 +79,12 @@ class CacheFeeds:
                 log.info("%d workers: their cache events come with their Stats (more than %d "
                          "would take a stream and a thread each)", len(wanted),
                          FOLLOW_MAX_WORKERS)
-            self._too_many, wanted = True, {}
+            self._too_many = True
+            self.index.speculative_s = max(self._guess_s, len(wanted) / CHECKS_PER_S + 1.0)
+            wanted = {}
         else:
             self._too_many = False
+            self.index.speculative_s = self._guess_s
         with self._lock:
             if self._stop.is_set():
                 return
@@ -105,6 +111,14 @@ class CacheFeeds:
             return None
         known = self.index.known(address)
         return (0, 0) if known is None else (known.epoch, known.sequence)
+
+    def stats_request(self, address: str) -> common_pb2.StatsRequest:
+        """The Stats request for `address`: asking for its cache events past the cursor."""
+        cursor = self.cursor(address)
+        if cursor is None:
+            return common_pb2.StatsRequest()
+        return common_pb2.StatsRequest(cache_events=True, cache_epoch=cursor[0],
+                                       cache_sequence=cursor[1])
 
     def polled(self, address: str, batch: common_pb2.CacheEventBatch) -> None:
         """The cache events a Stats read of `address` brought."""

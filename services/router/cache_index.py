@@ -101,6 +101,15 @@ class CacheIndex:
         self._epoch.pop(worker, None)
         self._guess.pop(worker, None)
 
+    @property
+    def speculative_s(self) -> float:
+        return self._speculative_s
+
+    @speculative_s.setter
+    def speculative_s(self, seconds: float) -> None:
+        """How long a placement counts as held from now on (entries made before keep theirs)."""
+        self._speculative_s = seconds
+
     def speculate(self, worker: str, keys: Sequence[int]) -> None:
         """`worker` was just given a prompt with these page keys: count them as held there
         for a short while, until its own events say so."""

@@ -23,16 +23,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
-from pdserve.router.cache_feed import Followed
+from pdserve.router.cache_feed import CacheFeeds, Followed
 from pdserve.router.check_schedule import DOWN_PER_TICK, plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
-from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
+from pdserve.router.placement import DecodeLoad, PrefillLoad
 from pdserve.router.worker import Worker
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -50,14 +50,6 @@ ROLES = ("prefill", "decode")
 RECHECK_DOWN_S = 0.5
 
 
-class CachePoll(Protocol):
-    """What reads a large pool's cache events with its Stats (the cache feeds)."""
-
-    def cursor(self, address: str) -> tuple[int, int] | None: ...
-
-    def polled(self, address: str, batch: common_pb2.CacheEventBatch) -> None: ...
-
-
 class WorkerPool:
     """All workers of both roles, kept checked by a background thread (thread-safe)."""
 
@@ -65,7 +57,7 @@ class WorkerPool:
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  security: ChannelSecurity | None = None,
                  on_checked: Callable[[list[Followed]], None] | None = None,
-                 cache: CachePoll | None = None, shared_decode_stream: bool = True):
+                 cache: CacheFeeds | None = None, shared_decode_stream: bool = True):
         self.interval_s = interval_s
         self._on_checked = on_checked  # after each round: the healthy members (cache feeds)
         self._cache = cache  # a large pool's cache events, read with its Stats
@@ -278,16 +270,11 @@ class WorkerPool:
             return None
 
     def _stats_request(self, worker: Worker) -> common_pb2.StatsRequest:
-        """Stats, and the worker's cache events since the last read when the cache feeds read
-        them this way (once per address: a co-located worker's prefill role asks)."""
-        cursor = None
-        if self._cache is not None and (worker.role == "prefill" or
-                                        ("prefill", worker.address) not in self._workers):
-            cursor = self._cache.cursor(worker.address)
-        if cursor is None:
-            return common_pb2.StatsRequest()
-        return common_pb2.StatsRequest(cache_events=True, cache_epoch=cursor[0],
-                                       cache_sequence=cursor[1])
+        """With the worker's cache events when the feeds read them this way (once per
+        address: a co-located worker's prefill role asks)."""
+        asks = worker.role == "prefill" or ("prefill", worker.address) not in self._workers
+        return self._cache.stats_request(worker.address) if self._cache is not None and asks \
+            else common_pb2.StatsRequest()
 
     def close(self) -> None:
         """Stop checking and close every channel."""
@@ -381,26 +368,12 @@ class WorkerPool:
     def prefill_loads(self, among: Collection[str] | None = None) -> list[PrefillLoad]:
         """Health and pending prompt tokens of every prefill member (or those `among`)."""
         with self._lock:
-            return [PrefillLoad(w.address, w.healthy,
-                                w.stats.queued_prompt_tokens if w.stats else 0,
-                                w.inflight_prompt_tokens,
-                                (w.stats.fingerprint.block_size if w.stats else 0)
-                                or DEFAULT_BLOCK_SIZE, w.placed)
-                    for w in self._members("prefill", among)]
+            return [w.prefill_load() for w in self._members("prefill", among)]
 
     def decode_loads(self, among: Collection[str] | None = None) -> list[DecodeLoad]:
         """Health and last (locally adjusted) Stats of every decode member (or those `among`)."""
         with self._lock:
-            return [self._decode_load(w) for w in self._members("decode", among)]
-
-    @staticmethod
-    def _decode_load(w: Worker) -> DecodeLoad:
-        s = w.stats
-        if s is None:
-            return DecodeLoad(w.address, w.healthy, placed=w.placed, inflight=w.calls)
-        return DecodeLoad(w.address, w.healthy, s.free_pages, s.running_sequences,
-                          s.waiting_sequences, s.reserved_tickets,
-                          s.fingerprint.block_size or DEFAULT_BLOCK_SIZE, w.placed, w.calls)
+            return [w.decode_load() for w in self._members("decode", among)]
 
     # --- what the lifecycle reports back --------------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 from pdserve.router.mux import DecodeStreams
+from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 
@@ -40,3 +41,21 @@ class Worker:
     def decode(self) -> decode_pb2_grpc.DecodeStub:
         assert isinstance(self.stub, decode_pb2_grpc.DecodeStub)
         return self.stub
+
+    def prefill_load(self) -> PrefillLoad:
+        """What prefill placement weighs: health, pending prompt tokens, layout, spread."""
+        s = self.stats
+        return PrefillLoad(self.address, self.healthy, s.queued_prompt_tokens if s else 0,
+                           self.inflight_prompt_tokens,
+                           (s.fingerprint.block_size if s else 0) or DEFAULT_BLOCK_SIZE,
+                           self.placed)
+
+    def decode_load(self) -> DecodeLoad:
+        """What decode placement weighs: health and the last (locally adjusted) Stats."""
+        s = self.stats
+        if s is None:
+            return DecodeLoad(self.address, self.healthy, placed=self.placed, inflight=self.calls)
+        return DecodeLoad(self.address, self.healthy, s.free_pages, s.running_sequences,
+                          s.waiting_sequences, s.reserved_tickets,
+                          s.fingerprint.block_size or DEFAULT_BLOCK_SIZE, self.placed,
+                          self.calls)

@@ -142,10 +142,17 @@ class _EndedStream:
         pass
 
 
-def test_cache_events_are_not_followed_past_the_limit():
+def test_past_the_limit_cache_events_come_with_stats_not_streams():
+    """Past FOLLOW_MAX_WORKERS no stream is opened: Stats reads ask for the changes after the
+    index's cursor (a snapshot first), a worker that left is forgotten, and the router's own
+    placements count as held for a read period (not 2 s) until a read says so."""
     import threading
 
     from pdserve.router.cache_feed import FOLLOW_MAX_WORKERS, CacheFeeds, Followed
+    from pdserve.router.cache_index import CacheIndex
+    from pdserve.v1 import common_pb2
+
+    from tests.fakes import FakeClock
 
     opened: set[str] = set()
     both = threading.Event()
@@ -158,12 +165,33 @@ def test_cache_events_are_not_followed_past_the_limit():
             return _EndedStream()  # the feed waits retry_s before asking again
         return open_stream
 
-    feeds = CacheFeeds(retry_s=60)
+    clock = FakeClock()
+    feeds = CacheFeeds(CacheIndex(clock=clock), retry_s=60)
     try:
-        many = [Followed(f"w{i}", opener(f"w{i}")) for i in range(FOLLOW_MAX_WORKERS + 1)]
+        n = 2 * FOLLOW_MAX_WORKERS  # read 100 a second: each every n / 100 s
+        many = [Followed(f"w{i}", opener(f"w{i}")) for i in range(n)]
         feeds.sync(many)
-        assert feeds._streams == {} and feeds._too_many
-        feeds.sync(many[:2])  # the pool shrank: followed again
+        assert feeds._streams == {} and feeds._too_many and opened == set()
+        assert feeds.cursor("w3") == (0, 0)  # a snapshot first
+        feeds.polled("w3", common_pb2.CacheEventBatch(epoch=9, sequence=4, snapshot=True,
+                                                      stored=[11, 12], block_size=16))
+        assert feeds.cursor("w3") == (9, 4) and feeds.index.holders(11) == {"w3"}
+        feeds.polled("w3", common_pb2.CacheEventBatch(epoch=9, sequence=7, since=4,
+                                                      stored=[13], removed=[11]))
+        assert feeds.cursor("w3") == (9, 7) and feeds.index.sizes() == {"w3": 2}
+        feeds.polled("w3", common_pb2.CacheEventBatch(epoch=9, sequence=9, since=5))  # a gap
+        assert feeds.cursor("w3") == (0, 0) and feeds.index.sizes() == {}
+        feeds.polled("w5", common_pb2.CacheEventBatch(epoch=2, sequence=1, snapshot=True,
+                                                      stored=[21]))
+        feeds.index.speculate("w6", [31])
+        clock.now += n / 100  # within a read period (and a second): still held
+        assert feeds.index.holders(31) == {"w6"}
+        clock.now += 1.5
+        assert feeds.index.holders(31) == set()
+        feeds.sync(many[6:])  # w5 left: its entries go
+        assert feeds.index.holders(21) == set()
+        feeds.sync(many[:2])  # the pool shrank: followed by streams again, guesses for 2 s
         assert both.wait(10) and opened == {"w0", "w1"} and not feeds._too_many
+        assert feeds.cursor("w0") is None and feeds.index.speculative_s == 2.0
     finally:
         feeds.close()
