@@ -43,7 +43,9 @@ class CacheIndex:
         self._seen: dict[str, float] = {}               # worker -> clock of its last batch
         self._guess: dict[str, tuple[float, set[int]]] = {}  # worker -> (until, keys)
         # The other way round, so placement need not ask every worker of a large pool:
-        self._holders: dict[int, set[str]] = {}          # key -> workers that announced it
+        # key -> the worker that announced it, or the workers when more than one did (a set
+        # per key would be 216 of the ~370 bytes a key costs here; most keys have one holder)
+        self._holders: dict[int, str | set[str]] = {}
         self._guessed: dict[int, dict[str, float]] = {}  # key -> {worker: until}
 
     # ---- events ---------------------------------------------------------------------------
@@ -84,16 +86,31 @@ class CacheIndex:
             self._drop_locked(worker)
 
     def _hold_locked(self, worker: str, keys: Iterable[int]) -> None:
+        all_holders = self._holders
         for key in keys:
-            self._holders.setdefault(key, set()).add(worker)
+            holders = all_holders.setdefault(key, worker)
+            if holders is worker or holders == worker:
+                continue
+            if isinstance(holders, str):
+                all_holders[key] = {holders, worker}
+            else:
+                holders.add(worker)
 
     def _unhold_locked(self, worker: str, keys: Iterable[int]) -> None:
+        all_holders = self._holders
         for key in keys:
-            holders = self._holders.get(key)
-            if holders is not None:
-                holders.discard(worker)
-                if not holders:
-                    del self._holders[key]
+            holders = all_holders.get(key)
+            if holders is None:
+                continue
+            if isinstance(holders, str):
+                if holders == worker:
+                    del all_holders[key]
+                continue
+            holders.discard(worker)
+            if len(holders) == 1:
+                all_holders[key] = next(iter(holders))
+            elif not holders:
+                del all_holders[key]
 
     def _drop_locked(self, worker: str) -> None:
         self._unhold_locked(worker, self._keys.get(worker, ()))
@@ -152,7 +169,8 @@ class CacheIndex:
         """The workers that hold the page of `key` (announced, or given a prompt starting
         with it lately): with a prompt's first key, every worker whose cached_pages > 0."""
         with self._lock:
-            found = set(self._holders.get(key, ()))
+            holders = self._holders.get(key, ())
+            found = {holders} if isinstance(holders, str) else set(holders)
             guessed = self._guessed.get(key)
             if guessed:
                 now = self._clock()

@@ -59,6 +59,25 @@ def test_dropping_a_worker_forgets_it():
     assert index.cached_pages("d0", [1]) == 0 and index.workers() == []
 
 
+def test_holders_follow_every_worker_a_key_gains_and_loses():
+    """One holder per key is stored as the worker itself, more as a set: either way holders()
+    names exactly the workers whose last events (or snapshots) hold the key."""
+    index = CacheIndex()
+    index.apply("d0", 1, 0, True, [1, 2], [])
+    index.apply("d1", 1, 0, True, [2, 3], [])
+    index.apply("d2", 1, 0, True, [2], [])
+    assert [index.holders(k) for k in (1, 2, 3, 4)] == [{"d0"}, {"d0", "d1", "d2"}, {"d1"}, set()]
+    index.apply("d1", 1, 1, False, stored=[1], removed=[2, 3])
+    assert [index.holders(k) for k in (1, 2, 3)] == [{"d0", "d1"}, {"d0", "d2"}, set()]
+    index.drop("d2")
+    index.apply("d0", 1, 1, False, stored=[2], removed=[])  # again: still once
+    assert index.holders(2) == {"d0"}
+    index.apply("d0", 1, 2, True, [9], [])  # a new snapshot replaces what d0 held
+    assert [index.holders(k) for k in (1, 2, 9)] == [{"d1"}, set(), {"d0"}]
+    index.drop("d1")
+    assert index.holders(1) == set() and index.sizes() == {"d0": 1}
+
+
 # ---- placement ----------------------------------------------------------------------------
 def _decode(address: str, sequences: int = 0, free: int | None = 1000) -> DecodeLoad:
     return DecodeLoad(address, True, free_pages=free, running_sequences=sequences)
