@@ -13,20 +13,19 @@ log, merged, as a real worker's (pdserve.worker.cache_feed) give them.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from pdserve.common import wire
+from pdserve.common.cache_log import ChangeLog
 from pdserve.common.layout import LayoutFingerprint
 from pdserve.common.prefix import page_keys, root_key
 from pdserve.sim.profile import SimProfile
 from pdserve.v1 import common_pb2
 
 DEFAULT_HEARTBEAT_MS = 1000.0
-LOG_BATCHES = 4096  # change batches kept for readers of Stats
 
 
 def fingerprint(profile: SimProfile) -> LayoutFingerprint:
@@ -46,9 +45,7 @@ class SimCache:
         self._keys: OrderedDict[int, None] = OrderedDict()
         self._epoch = time.time_ns()
         self._streams: set[asyncio.Queue[tuple[list[int], list[int]]]] = set()
-        self._log: deque[tuple[int, list[int], list[int]]] = deque(maxlen=LOG_BATCHES)
-        self._log_seq = 0
-        self._floor = 0  # every change after this batch is in the log
+        self._log = ChangeLog()  # what routers reading Stats get
 
     def _prompt_keys(self, prompt: Sequence[int]) -> list[int]:
         return page_keys(self._root, prompt, self._block, (len(prompt) - 1) // self._block)
@@ -76,35 +73,21 @@ class SimCache:
         if stored or removed:
             for stream in self._streams:
                 stream.put_nowait((stored, removed))
-            self._log_seq += 1
-            if len(self._log) == self._log.maxlen:
-                self._floor = self._log[0][0]
-            self._log.append((self._log_seq, stored, removed))
+            self._log.append(stored, removed)
 
     def poll(self, request: common_pb2.StatsRequest) -> common_pb2.CacheEventBatch:
         """What Stats brings a router asking for cache events: the changes after its
         cursor merged, or a snapshot (cursor 0, another epoch, or older than the log)."""
         since = request.cache_sequence if request.cache_epoch == self._epoch else 0
-        if not 0 < since or not self._floor <= since <= self._log_seq:
-            self._log_seq += 1
+        if not self._log.reaches(since):
             return common_pb2.CacheEventBatch(
-                worker_id=self.name, epoch=self._epoch, sequence=self._log_seq, snapshot=True,
-                stored=list(self._keys), block_size=self._block,
+                worker_id=self.name, epoch=self._epoch, sequence=self._log.snapshot(),
+                snapshot=True, stored=list(self._keys), block_size=self._block,
                 fingerprint=wire.fingerprint_to_pb(self._fingerprint))
-        stored: dict[int, None] = {}
-        removed: dict[int, None] = {}
-        newer = list(itertools.takewhile(lambda b: b[0] > since, reversed(self._log)))
-        for _, added, gone in reversed(newer):
-            for key in added:
-                stored[key] = None
-                removed.pop(key, None)
-            for key in gone:
-                removed[key] = None
-                stored.pop(key, None)
+        stored, removed = self._log.merged(since)
         return common_pb2.CacheEventBatch(worker_id=self.name, epoch=self._epoch,
-                                          sequence=self._log_seq, stored=list(stored),
-                                          removed=list(removed), block_size=self._block,
-                                          since=since)
+                                          sequence=self._log.sequence, stored=stored,
+                                          removed=removed, block_size=self._block, since=since)
 
     async def events(self, request: common_pb2.CacheEventsRequest,
                      context: grpc.aio.ServicerContext

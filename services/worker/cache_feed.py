@@ -9,10 +9,10 @@ without routers keeps nothing. `epoch` is new at every start: a router that sees
 for the same worker drops what it had and takes the new snapshot.
 
 Routers in front of a pool too large for a stream per worker read the same changes through
-Stats instead (`poll`): the feed then keeps one numbered log of change batches, shared by
-every such router, each asking for what came after the batch it saw last. The log keeps the
-newest POLL_LOG_BATCHES batches (a router further behind gets a snapshot), and stops, keeping
-nothing, once no router has read it for POLL_IDLE_S.
+Stats instead (`poll`): the feed then keeps one numbered log of change batches
+(pdserve.common.cache_log), shared by every such router, each asking for what came after the
+batch it saw last. The log runs from the first such read and stops, keeping nothing, once no
+router has read it for POLL_IDLE_S.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+from pdserve.common.cache_log import MAX_BATCHES, ChangeLog
 from pdserve.engine.allocator import CacheEvents
 from pdserve.engine.engine import Engine
 from pdserve.engine.loop import EngineLoop
 
-POLL_LOG_BATCHES = 4096  # change batches kept for routers reading Stats
 POLL_IDLE_S = 120.0  # no such read for this long: the log stops
 
 
@@ -46,17 +45,15 @@ class CacheBatch:
 
 
 class CacheFeed:
-    def __init__(self, loop: EngineLoop, *, period_s: float = 0.02):
+    def __init__(self, loop: EngineLoop, *, period_s: float = 0.02,
+                 log_batches: int = MAX_BATCHES):
         self._loop = loop
         self._period_s = period_s
         self._subs: dict[int, queue.SimpleQueue[CacheEvents | None]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # The log routers read through Stats: (sequence, stored, removed) after batch `_floor`
-        self._log: deque[tuple[int, list[int], list[int]]] = deque(maxlen=POLL_LOG_BATCHES)
-        self._log_seq = 0
-        self._floor = 0
+        self._log = ChangeLog(log_batches)  # what routers reading Stats get
         self._polled_at: float | None = None  # monotonic time of the last read; None: off
         self._thread = threading.Thread(target=self._run, name="cache-feed", daemon=True)
         self._thread.start()
@@ -102,8 +99,10 @@ class CacheFeed:
         log runs (and the allocator records for it) from the first read on."""
         with self._lock:
             self._polled_at = time.monotonic()
-            if 0 < since and self._floor <= since <= self._log_seq:
-                return self._merged_locked(since)
+            if self._log.reaches(since):
+                stored, removed = self._log.merged(since)
+                return CacheBatch(self._log.sequence, stored=stored, removed=removed,
+                                  since=since)
 
         def snapshot(engine: Engine) -> CacheBatch:
             self._deliver(engine)  # what came before goes into the log (if it ran) first
@@ -111,24 +110,10 @@ class CacheFeed:
             with self._lock:
                 if self._polled_at is None:  # stopped meanwhile: start it again
                     self._polled_at = time.monotonic()
-                self._log_seq += 1  # the snapshot's own number: what follows comes after it
-                return CacheBatch(self._log_seq, snapshot=True, stored=engine.allocator.keys())
+                return CacheBatch(self._log.snapshot(), snapshot=True,
+                                  stored=engine.allocator.keys())
 
         return self._loop.submit(snapshot)
-
-    def _merged_locked(self, since: int) -> CacheBatch:
-        newer = list(itertools.takewhile(lambda b: b[0] > since, reversed(self._log)))
-        stored: dict[int, None] = {}  # in order of arrival
-        removed: dict[int, None] = {}
-        for _, added, gone in reversed(newer):
-            for key in added:
-                stored[key] = None
-                removed.pop(key, None)
-            for key in gone:
-                removed[key] = None
-                stored.pop(key, None)
-        return CacheBatch(self._log_seq, stored=list(stored), removed=list(removed),
-                          since=since)
 
     def close(self) -> None:
         self._stop.set()
@@ -162,16 +147,10 @@ class CacheFeed:
                 for q in self._subs.values():
                     q.put(events)
                 if self._polled_at is not None:
-                    self._log_seq += 1
-                    if len(self._log) == self._log.maxlen:
-                        self._floor = self._log[0][0]  # dropped: older readers need a snapshot
-                    self._log.append((self._log_seq, [k for k, _ in events.stored],
-                                      list(events.removed)))
+                    self._log.append([k for k, _ in events.stored], list(events.removed))
 
     def _stop_log_locked(self) -> None:
-        """No router reads the log any more: forget it (a later read starts with a snapshot,
-        numbered past every batch the log ever had, so no old cursor fits)."""
+        """No router reads the log any more: forget it (a later read starts with a snapshot;
+        no old cursor fits)."""
         self._polled_at = None
         self._log.clear()
-        self._log_seq += 1
-        self._floor = self._log_seq

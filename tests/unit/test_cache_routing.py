@@ -59,6 +59,23 @@ def test_dropping_a_worker_forgets_it():
     assert index.cached_pages("d0", [1]) == 0 and index.workers() == []
 
 
+def test_the_change_log_merges_what_follows_a_cursor_it_still_reaches():
+    from pdserve.common.cache_log import ChangeLog
+
+    log = ChangeLog(max_batches=3)
+    first = log.snapshot()
+    assert first == 1 and not log.reaches(0) and log.reaches(first)
+    log.append([10, 11], [])
+    log.append([12], [10])
+    log.append([10], [12])  # back again; 12 gone
+    assert log.merged(first) == ([11, 10], [12])
+    assert log.merged(3) == ([10], [12]) and log.merged(log.sequence) == ([], [])
+    log.append([13], [])  # 4 batches: the first change batch (number 2) is dropped
+    assert not log.reaches(first) and log.reaches(2) and not log.reaches(log.sequence + 1)
+    log.clear()
+    assert not log.reaches(log.sequence - 1) and log.snapshot() == 7
+
+
 def test_holders_follow_every_worker_a_key_gains_and_loses():
     """One holder per key is stored as the worker itself, more as a set: either way holders()
     names exactly the workers whose last events (or snapshots) hold the key."""
@@ -130,10 +147,8 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir, dtype="float32")
 
 
-def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
-    engine = Engine(tiny, EngineConfig(num_pages=8, chunk_size=64))
-    loop = EngineLoop(engine).start()
-    feed = CacheFeed(loop, period_s=0.005)
+def _runner(loop: EngineLoop):
+    """run(prompt): one greedy sequence of 2 tokens through the loop, to its end."""
     ids = itertools.count()
 
     def run(prompt: list[int]) -> None:
@@ -144,6 +159,15 @@ def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
             if outputs.get(timeout=10).finish_reason:
                 break
         loop.unsubscribe(rid)
+
+    return run
+
+
+def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
+    engine = Engine(tiny, EngineConfig(num_pages=8, chunk_size=64))
+    loop = EngineLoop(engine).start()
+    feed = CacheFeed(loop, period_s=0.005)
+    run = _runner(loop)
 
     try:
         run(list(range(10, 43)))  # 33 tokens: 2 full pages cached before anyone subscribes
@@ -172,27 +196,17 @@ def test_the_feed_starts_with_a_snapshot_then_sends_changes_in_order(tiny):
         engine.close()
 
 
-def test_a_router_reading_stats_gets_the_changes_since_its_cursor(tiny, monkeypatch):
+def test_a_router_reading_stats_gets_the_changes_since_its_cursor(tiny):
     """The log routers of a large pool read through Stats: a snapshot first (numbered), then
     the changes after the cursor merged (a page stored and then evicted only removed), a
     snapshot again for a cursor older than the log keeps; the index applies each in turn."""
     from pdserve.worker import cache_feed
 
-    monkeypatch.setattr(cache_feed, "POLL_LOG_BATCHES", 2)
     engine = Engine(tiny, EngineConfig(num_pages=8, chunk_size=64))
     loop = EngineLoop(engine).start()
-    feed = CacheFeed(loop, period_s=0.005)
+    feed = CacheFeed(loop, period_s=0.005, log_batches=2)
     index = CacheIndex()
-    ids = itertools.count()
-
-    def run(prompt: list[int]) -> None:
-        rid = f"r{next(ids)}"
-        _, outputs = loop.start_sequence(rid, lambda e: e.add_request(
-            rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
-        for _ in range(100):
-            if outputs.get(timeout=10).finish_reason:
-                break
-        loop.unsubscribe(rid)
+    run = _runner(loop)
 
     def delivered(since: int) -> cache_feed.CacheBatch:  # the engine's events in the log
         loop.submit(feed._deliver)
