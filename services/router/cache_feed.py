@@ -14,6 +14,7 @@ and brings back the changes after it (`cursor`, `polled`); the index lags by up 
 period, but costs no message of its own; so that the router does not forget its own
 placements meanwhile, it counts them as held for a read period (and a second) instead of 2 s.
 """
+
 from __future__ import annotations
 
 import logging
@@ -124,15 +125,9 @@ class CacheFeeds:
         """The cache events a Stats read of `address` brought."""
         if not self._too_many or self._stop.is_set():
             return
-        if batch.snapshot:
-            fp = wire.fingerprint_from_pb(batch.fingerprint)
-            if fp is not None:
-                self._set_layout(address, (root_key(fp), fp.block_size))
         with self._lock:
             self._polled.add(address)
-        if not self.index.apply(address, batch.epoch, batch.sequence, batch.snapshot,
-                                batch.stored, batch.removed,
-                                since=None if batch.snapshot else batch.since):
+        if not self._apply(address, batch, since=None if batch.snapshot else batch.since):
             log.info("cache events of %s: gap or new epoch; a snapshot at its next read",
                      address)
 
@@ -194,12 +189,7 @@ class CacheFeeds:
                 self._streams[address] = call
             try:
                 for batch in call:
-                    if batch.snapshot:
-                        fp = wire.fingerprint_from_pb(batch.fingerprint)
-                        if fp is not None:
-                            self._set_layout(address, (root_key(fp), fp.block_size))
-                    if not self.index.apply(address, batch.epoch, batch.sequence,
-                                            batch.snapshot, batch.stored, batch.removed):
+                    if not self._apply(address, batch):
                         log.info("cache events of %s: gap or new epoch; resubscribing", address)
                         call.cancel()
                         break
@@ -215,6 +205,16 @@ class CacheFeeds:
             self.index.drop(address)
             if self._stop.wait(self._retry_s):
                 return
+
+    def _apply(self, address: str, batch: common_pb2.CacheEventBatch,
+               since: int | None = None) -> bool:
+        """Into the index (a snapshot also names the worker's layout); False: a gap."""
+        if batch.snapshot:
+            fp = wire.fingerprint_from_pb(batch.fingerprint)
+            if fp is not None:
+                self._set_layout(address, (root_key(fp), fp.block_size))
+        return self.index.apply(address, batch.epoch, batch.sequence, batch.snapshot,
+                                batch.stored, batch.removed, since=since)
 
     def _forget(self, address: str) -> None:
         self.index.drop(address)

@@ -35,7 +35,7 @@ GUESSED_PURGE_AT = 100_000  # first keys of speculative entries kept before expi
 class CacheIndex:
     def __init__(self, *, speculative_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic):
-        self._speculative_s = speculative_s
+        self.speculative_s = speculative_s  # how long a placement counts as held from now on
         self._clock = clock
         self._lock = threading.Lock()
         self._keys: dict[str, set[int]] = {}            # worker -> keys it announced
@@ -89,7 +89,7 @@ class CacheIndex:
         all_holders = self._holders
         for key in keys:
             holders = all_holders.setdefault(key, worker)
-            if holders is worker or holders == worker:
+            if holders == worker:
                 continue
             if isinstance(holders, str):
                 all_holders[key] = {holders, worker}
@@ -118,22 +118,13 @@ class CacheIndex:
         self._epoch.pop(worker, None)
         self._guess.pop(worker, None)
 
-    @property
-    def speculative_s(self) -> float:
-        return self._speculative_s
-
-    @speculative_s.setter
-    def speculative_s(self, seconds: float) -> None:
-        """How long a placement counts as held from now on (entries made before keep theirs)."""
-        self._speculative_s = seconds
-
     def speculate(self, worker: str, keys: Sequence[int]) -> None:
         """`worker` was just given a prompt with these page keys: count them as held there
         for a short while, until its own events say so."""
         if not keys:
             return
         with self._lock:
-            until = self._clock() + self._speculative_s
+            until = self._clock() + self.speculative_s
             old = self._guess.get(worker)
             held = old[1] if old and old[0] > self._clock() else set()
             held.update(keys)

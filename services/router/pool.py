@@ -272,9 +272,10 @@ class WorkerPool:
     def _stats_request(self, worker: Worker) -> common_pb2.StatsRequest:
         """With the worker's cache events when the feeds read them this way (once per
         address: a co-located worker's prefill role asks)."""
-        asks = worker.role == "prefill" or ("prefill", worker.address) not in self._workers
-        return self._cache.stats_request(worker.address) if self._cache is not None and asks \
-            else common_pb2.StatsRequest()
+        if self._cache is None or (worker.role == "decode"
+                                   and ("prefill", worker.address) in self._workers):
+            return common_pb2.StatsRequest()
+        return self._cache.stats_request(worker.address)
 
     def close(self) -> None:
         """Stop checking and close every channel."""

@@ -108,8 +108,6 @@ class CacheFeed:
             self._deliver(engine)  # what came before goes into the log (if it ran) first
             engine.allocator.recording = True
             with self._lock:
-                if self._polled_at is None:  # stopped meanwhile: start it again
-                    self._polled_at = time.monotonic()
                 return CacheBatch(self._log.snapshot(), snapshot=True,
                                   stored=engine.allocator.keys())
 

@@ -31,7 +31,7 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdserve.worker.cache_feed import CacheFeed
+from pdserve.worker.cache_feed import CacheBatch, CacheFeed
 from pdserve.worker.mux import DecodeMux
 from pdserve.worker.types import (
     DecodeEvent,
@@ -259,21 +259,26 @@ def _cache_events(worker: CacheSource, request: common_pb2.CacheEventsRequest,
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"heartbeat_ms={request.heartbeat_ms}: must be >= 0 (0: the default)")
     heartbeat_s = min(request.heartbeat_ms / 1e3 or 1.0, 60.0)
-    fingerprint = worker.engine.pool.fingerprint
     stream = worker.cache_feed.stream(max(heartbeat_s, 0.01))
     try:
         for batch in stream:
             if not context.is_active():
                 return
-            pb = common_pb2.CacheEventBatch(worker_id=worker.worker_id, epoch=worker.epoch,
-                                            sequence=batch.sequence, snapshot=batch.snapshot,
-                                            stored=batch.stored, removed=batch.removed,
-                                            block_size=fingerprint.block_size)
-            if batch.snapshot:
-                pb.fingerprint.CopyFrom(wire.fingerprint_to_pb(fingerprint))
-            yield pb
+            yield _batch_to_pb(worker, batch)
     finally:
         stream.close()
+
+
+def _batch_to_pb(worker: CacheSource, batch: CacheBatch) -> common_pb2.CacheEventBatch:
+    """One batch of the worker's cache feed on the wire (a snapshot names its layout)."""
+    fingerprint = worker.engine.pool.fingerprint
+    pb = common_pb2.CacheEventBatch(worker_id=worker.worker_id, epoch=worker.epoch,
+                                    sequence=batch.sequence, snapshot=batch.snapshot,
+                                    stored=batch.stored, removed=batch.removed,
+                                    block_size=fingerprint.block_size, since=batch.since)
+    if batch.snapshot:
+        pb.fingerprint.CopyFrom(wire.fingerprint_to_pb(fingerprint))
+    return pb
 
 
 def _stats(worker: PrefillBackend | DecodeBackend, request: common_pb2.StatsRequest
@@ -282,14 +287,7 @@ def _stats(worker: PrefillBackend | DecodeBackend, request: common_pb2.StatsRequ
     pb = _stats_to_pb(worker.stats(), worker.serving)
     if request.cache_events:
         since = request.cache_sequence if request.cache_epoch == worker.epoch else 0
-        batch = worker.cache_feed.poll(since)
-        fingerprint = worker.engine.pool.fingerprint
-        pb.cache.CopyFrom(common_pb2.CacheEventBatch(
-            worker_id=worker.worker_id, epoch=worker.epoch, sequence=batch.sequence,
-            snapshot=batch.snapshot, stored=batch.stored, removed=batch.removed,
-            block_size=fingerprint.block_size, since=batch.since))
-        if batch.snapshot:
-            pb.cache.fingerprint.CopyFrom(wire.fingerprint_to_pb(fingerprint))
+        pb.cache.CopyFrom(_batch_to_pb(worker, worker.cache_feed.poll(since)))
     return pb
 
 
