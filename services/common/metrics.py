@@ -134,8 +134,10 @@ class RouterMetrics:
         """Export the pool's `counts()` per role, and failed DNS lookups, at scrape time."""
         self.registry.register(_WorkersCollector(counts, discovery_failures))
 
-    def watch_cache_index(self, keys_per_worker: Callable[[], Mapping[str, int]]) -> None:
-        """Export how many prefix-cache pages the router's index holds per worker."""
+    def watch_cache_index(self, keys_per_worker: Callable[[], Mapping[str, int]],
+                          evicted: Callable[[], int]) -> None:
+        """Export how many prefix-cache pages the router's index holds per worker, and how
+        many it dropped to stay under --cache-index-max-pages."""
         def collect() -> Iterator[Metric]:
             family = GaugeMetricFamily("pdserve_router_cache_index_pages", "prefix-cache pages "
                                        "the router's index says each worker holds (from its "
@@ -143,6 +145,10 @@ class RouterMetrics:
             for worker, n in sorted(keys_per_worker().items()):
                 family.add_metric((worker,), n)
             yield family
+            yield CounterMetricFamily("pdserve_router_cache_index_evicted_pages", "(worker, "
+                                      "page) entries the router's index dropped, least "
+                                      "recently used first, to stay under "
+                                      "--cache-index-max-pages", value=evicted())
         self.registry.register(_CallbackCollector(collect))
 
 

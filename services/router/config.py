@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
+from pdserve.router.cache_index import MAX_PAGES
 from pdserve.router.placement import Weights
 from pdserve.router.targets import FORMS, Target, parse_target
 
@@ -47,6 +48,10 @@ class RouterConfig(ServerConfig):
                                      "every worker's prefix-cache events and weigh the tokens "
                                      "each would not have to compute or receive against its "
                                      "load (--no-cache-aware: by load only)")
+    cache_index_max_pages: int = option(MAX_PAGES, "(worker, page) entries the router's "
+                                                   "prefix-cache index holds, ~110 bytes each; "
+                                                   "past it the workers holding the most lose "
+                                                   "their least recently used pages first")
     shared_decode_stream: bool = option(True, "run every sequence on a decode worker over one "
                                               "DecodeMany stream, one message per engine step "
                                               "(--no-shared-decode-stream: a Decode call per "
@@ -92,6 +97,8 @@ class RouterConfig(ServerConfig):
                 self.api_key_file, "a readable file of API keys")
         require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
                 "0..65535, or -1 (off)")
+        require(self.cache_index_max_pages > 0, "cache_index_max_pages",
+                self.cache_index_max_pages, "> 0")
         require(self.max_streams > 0, "max_streams", self.max_streams, "> 0")
         for name in ("cache_weight", "sequence_weight", "imbalance_slack",
                      "remote_prefill_min_tokens"):

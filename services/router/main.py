@@ -28,6 +28,7 @@ from pdserve.common.security import (
 from pdserve.common.server import ServerStartError, serve
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.router.cache_feed import CacheFeeds
+from pdserve.router.cache_index import CacheIndex
 from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.http_server import HttpFrontDoor
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--api-key-file: %s", exc)
         return 1
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys is not None else []
-    feeds = CacheFeeds() if cfg.cache_aware else None
+    feeds = (CacheFeeds(CacheIndex(max_pages=cfg.cache_index_max_pages))
+             if cfg.cache_aware else None)
     pool = WorkerPool(interval_s=cfg.health_interval_s,
                       security=ChannelSecurity.from_options(cfg),
                       on_checked=feeds.sync if feeds is not None else None, cache=feeds,
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     servicer = RouterServicer(lifecycle, cfg.max_streams)
     lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
     if feeds is not None:
-        lifecycle.metrics.watch_cache_index(feeds.index.sizes)
+        index = feeds.index
+        lifecycle.metrics.watch_cache_index(index.sizes, lambda: index.evicted)
     metrics = serve_metrics(lifecycle.metrics.registry, cfg.metrics_port, cfg.host,
                             service=SERVICE)
     discovery.start()

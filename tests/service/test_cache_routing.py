@@ -68,6 +68,7 @@ def test_conversations_stay_with_their_history_and_spread_over_decode_workers():
         assert got >= 0.9 * perfect, (got, perfect)
         router = s.scrape("router")
         assert _metric(router, "pdserve_router_cache_index_pages") > 0
+        assert "pdserve_router_cache_index_evicted_pages_total 0.0" in router  # under its cap
         # What a router in front of a pool too large for streams reads instead, with Stats:
         # a snapshot of what the prefill worker holds, then the changes after that cursor.
         snap = s.prefill_stats(cache_events=True).cache

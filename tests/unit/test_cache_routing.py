@@ -95,6 +95,45 @@ def test_holders_follow_every_worker_a_key_gains_and_loses():
     assert index.holders(1) == set() and index.sizes() == {"d0": 1}
 
 
+def test_past_its_cap_the_index_levels_the_largest_workers_by_least_recent_use():
+    """max_pages bounds the router's memory: over it, the workers holding the most lose their
+    least recently stored or placed pages until 5% below the cap (5,000 at most); the index stays
+    consistent (holders, sizes) and a prompt placed on a worker keeps its pages."""
+    index = CacheIndex(max_pages=100)
+    index.apply("d0", 1, 0, True, list(range(0, 60)), [])
+    index.apply("d1", 1, 0, True, list(range(100, 130)), [])
+    index.speculate("d0", [0, 1, 2, 3])  # placed here: now d0's most recent pages
+    assert index.total() == 90 and index.evicted == 0
+    index.apply("d1", 1, 1, False, stored=list(range(130, 150)), removed=[])  # 110 > 100
+    # down to 95: d0 (60) and d1 (50) levelled to 47 each, 16 pages gone
+    assert index.sizes() == {"d0": 47, "d1": 47} and index.total() == 94
+    assert index.evicted == 16
+    assert index.cached_pages("d0", [0, 1, 2, 3]) == 4  # touched by the placement: kept
+    assert index.holders(16) == set() and index.holders(17) == {"d0"}  # d0's 13 oldest gone
+    assert index.holders(102) == set() and index.holders(103) == {"d1"}  # d1's 3 oldest
+    index.apply("d1", 1, 2, False, stored=[], removed=[149])  # removing an evicted key is fine
+    index.apply("d1", 1, 3, False, stored=[100], removed=[])  # stored again: most recent
+    assert index.holders(100) == {"d1"} and index.total() == sum(index.sizes().values()) == 94
+    index.drop("d0")
+    assert index.total() == index.sizes()["d1"]
+    with pytest.raises(ValueError, match="max_pages=0"):
+        CacheIndex(max_pages=0)
+
+
+def test_the_routers_index_cap_is_a_flag_with_a_clear_refusal(capsys):
+    from pdserve.common.config import parse_config
+    from pdserve.router.config import RouterConfig
+
+    need = ["--prefill", "p:1", "--decode", "d:1"]
+    assert parse_config(RouterConfig, "router", need).cache_index_max_pages == 4_000_000
+    cfg = parse_config(RouterConfig, "router", need,
+                       env={"PDSERVE_ROUTER_CACHE_INDEX_MAX_PAGES": "5000"})
+    assert cfg.cache_index_max_pages == 5000
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(RouterConfig, "router", [*need, "--cache-index-max-pages", "0"])
+    assert exit_info.value.code == 2 and "cache_index_max_pages" in capsys.readouterr().err
+
+
 # ---- placement ----------------------------------------------------------------------------
 def _decode(address: str, sequences: int = 0, free: int | None = 1000) -> DecodeLoad:
     return DecodeLoad(address, True, free_pages=free, running_sequences=sequences)
