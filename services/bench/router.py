@@ -41,7 +41,7 @@ from pdserve.processes import Proc, Stack, _signal_group
 
 FIRST_ADDRESS = "127.61.0.1"      # the stable workers; the vanishing ones from VANISH_ADDRESS
 VANISH_ADDRESS = "127.62.0.1"
-FLOORS = ("aio", "sync")            # --floor: pdserve.bench.router_floor's kinds
+FLOORS = ("aio", "sync", "native")  # --floor: router_floor.py's kinds, csrc/router_floor.cc
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,21 +63,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--router-cpus", default="",
                    help="cores for the router, e.g. 0 (default: core 0 when there are 2 or "
                         "more; the harness gets the others)")
+    p.add_argument("--harness-cpus", default="",
+                   help="cores for the simulated workers and the load generator (default: "
+                        "those the router does not get); they may include the router's, to "
+                        "offer a router far cheaper than the harness (the native floor) more "
+                        "than one harness core can: its CPU per request still counts alone, "
+                        "its latency then shares a core")
     p.add_argument("--profile", default="", help="SimProfile JSON for the simulated workers")
     p.add_argument("--model", default="", help="model directory of the router's tokenizer "
                                                "(default: the built-in tiny model)")
     p.add_argument("--router-arg", action="append", default=[],
                    help="an extra router flag, e.g. --router-arg=--health-interval-s=5 "
                         "(repeatable)")
-    p.add_argument("--floor", action="store_true",
-                   help="then run the same load through the least a Python router can do "
-                        "(pdserve.bench.router_floor: grpc.aio, then sync gRPC), each in front "
-                        "of its own simulated workers, and print pdserve's cost beside theirs")
+    p.add_argument("--floor", nargs="?", const=",".join(FLOORS), default="",
+                   metavar="KINDS",
+                   help="then run the same load through the least a router can do, each in "
+                        "front of its own simulated workers, and print pdserve's cost beside "
+                        "theirs: aio and sync (pdserve.bench.router_floor, Python gRPC), "
+                        "native (csrc/router_floor.cc, C++ gRPC: built on first use, needs "
+                        "libgrpc++-dev and protobuf-compiler-grpc); default all, or a "
+                        "comma-separated subset")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompt")
     args = p.parse_args(argv)
     if args.workers < 2:
         p.error(f"--workers {args.workers}: at least 2 (a prefill and a decode worker)")
+    try:
+        _cores(args.router_cpus, args.harness_cpus)
+    except SystemExit as exc:
+        p.error(str(exc).removeprefix("pdserve bench router: "))
+    args.floor = [k for k in args.floor.split(",") if k]
+    for kind in args.floor:
+        if kind not in FLOORS:
+            p.error(f"--floor {kind}: not a floor ({', '.join(FLOORS)})")
     if args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
         p.error("--rate and --duration must be > 0, --warmup >= 0")
     if not 0 <= args.vanish < 1:
@@ -87,17 +105,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _cores(spec: str) -> tuple[list[int], list[int]]:
+def _cores(spec: str, harness_spec: str = "") -> tuple[list[int], list[int]]:
     """(router cores, harness cores) out of this process's own."""
     mine = sorted(os.sched_getaffinity(0))
-    if spec:
-        router = [int(c) for c in spec.split(",") if c.strip()]
-        if not set(router) <= set(mine):
-            raise SystemExit(f"pdserve bench router: --router-cpus {spec}: not all of {mine}")
-    else:
-        router = mine[:1] if len(mine) > 1 else []
-    harness = [c for c in mine if c not in router] or mine
-    return router, harness
+
+    def parse(flag: str, value: str) -> list[int]:
+        cores = [int(c) for c in value.split(",") if c.strip()]
+        if not cores or not set(cores) <= set(mine):
+            raise SystemExit(f"pdserve bench router: {flag} {value}: not all of {mine}")
+        return cores
+
+    router = parse("--router-cpus", spec) if spec else mine[:1] if len(mine) > 1 else []
+    if harness_spec:
+        return router, parse("--harness-cpus", harness_spec)
+    return router, [c for c in mine if c not in router] or mine
 
 
 def _split(total: int, share: float) -> tuple[int, int, int, int]:
@@ -184,6 +205,11 @@ def _addresses(first: str, count: int, port: int) -> list[str]:
 
 def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], port: int,
                  metrics_port: int, extra: list[str]) -> list[str]:
+    if kind == "native":
+        from pdserve.bench.native_floor import binary
+
+        return [str(binary()), "--port", str(port), "--prefill", ",".join(prefill),
+                "--decode", ",".join(decode)]
     if kind != "pdserve":  # a floor: no metrics, no health checks, no tokenizer
         return [sys.executable, "-m", "pdserve.bench.router_floor", "--kind", kind,
                 "--port", str(port), "--prefill", ",".join(prefill), "--decode", ",".join(decode)]
@@ -200,7 +226,7 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
 
     model = args.model or str(builtin.ensure("tiny"))
     work.mkdir(parents=True, exist_ok=True)
-    router_cpus, harness_cpus = _cores(args.router_cpus)
+    router_cpus, harness_cpus = _cores(args.router_cpus, args.harness_cpus)
     os.sched_setaffinity(0, harness_cpus)
     keep_p, keep_d, gone_p, gone_d = _split(args.workers, args.vanish)
     ports = (free_port(), free_port())
@@ -306,6 +332,22 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
     return shots, window
 
 
+def _native_built() -> bool:
+    """Build the native floor router now (so its build is not timed); False: it cannot be
+    built here, said why."""
+    from pdserve.bench.native_floor import binary, binary_name
+    from pdserve.common.native import kernels_dir
+
+    try:
+        if not (kernels_dir() / binary_name()).is_file():
+            print("building the native floor router (once, about a minute) ...", flush=True)
+        binary()
+    except (RuntimeError, OSError) as exc:
+        print(f"{exc}: the native floor is left out", flush=True)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pdserve.bench.router_report import show, show_floor
@@ -318,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.floor:
                 plain = argparse.Namespace(**{**vars(args), "vanish": 0.0})
                 result["floor"] = {}
-                for kind in FLOORS:
+                for kind in args.floor:
                     os.sched_setaffinity(0, cpus)
+                    if kind == "native" and not _native_built():
+                        continue
                     result["floor"][kind] = run(plain, Path(tmp) / kind, kind)
                 show_floor(result)
         except (RuntimeError, TimeoutError, OSError) as exc:

@@ -190,15 +190,16 @@ def show(r: dict[str, Any]) -> None:
 def show_floor(r: dict[str, Any]) -> None:
     """pdserve's router beside the floors (`--floor`) in the same run."""
     ours = r["router_cpu"]["ms_per_request"]
-    lines = ["router beside the least a Python router can do (pdserve.bench.router_floor), "
+    lines = ["router beside the least a router can do (Python gRPC: pdserve.bench.router_floor; "
+             "C++ gRPC: bench/csrc/router_floor.cc), "
              "same load, each with its own simulated workers:",
-             f"  {'router':<10} {'req/s':>7} {'CPU ms/req':>11} {'ms/token':>9} "
+             f"  {'router':<12} {'req/s':>7} {'CPU ms/req':>11} {'ms/token':>9} "
              f"{'added p50':>10} {'added p99':>10} {'pdserve / this':>15}"]
     for name, row in (("pdserve", r), *((f"floor {k}", v) for k, v in r["floor"].items())):
         cpu, added = row["router_cpu"], row["router_added_ms"]
         mine = cpu["ms_per_request"]
         ratio = f"{ours / mine:.2f}x" if ours and mine else "-"
-        lines.append(f"  {name:<10} {row['req_s']:>7.1f} {_ms(cpu, 'ms_per_request'):>11} "
+        lines.append(f"  {name:<12} {row['req_s']:>7.1f} {_ms(cpu, 'ms_per_request'):>11} "
                      f"{_ms(cpu, 'ms_per_token'):>9} {_ms(added, 'p50'):>10} "
                      f"{_ms(added, 'p99'):>10} {ratio:>15}")
     print("\n".join(lines), flush=True)

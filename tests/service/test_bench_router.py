@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import pdserve_argv
+from tests.support import cannot_run, pdserve_argv
 
 pytestmark = pytest.mark.service
 
@@ -71,6 +71,16 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
 
 
 def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(tmp_path):
+    """The Python floors (aio, sync) and the native one (C++ gRPC, built on first use) relay
+    every token of the same arrivals; where the native one cannot be built (no libgrpc++) the
+    bench says so and runs the others (and this test then skips, except in CI)."""
+    from pdserve.bench.native_floor import binary
+
+    try:
+        binary()  # built before the bench (not against its timeout)
+        native = ""
+    except RuntimeError as exc:
+        native = str(exc)
     out = tmp_path / "router.json"
     run = subprocess.run(pdserve_argv(
         "bench", "router", "--workers", "8", "--rate", "30", "--duration", "2", "--warmup",
@@ -78,7 +88,8 @@ def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(t
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     r = json.loads(out.read_text())
-    assert r["router"] == "pdserve" and set(r["floor"]) == {"aio", "sync"}
+    kinds = ["aio", "sync"] + ([] if native else ["native"])
+    assert r["router"] == "pdserve" and list(r["floor"]) == kinds
     for kind, f in r["floor"].items():
         assert f["router"] == kind and f["sent"] == r["sent"] > 30, kind  # the same arrivals
         assert f["completed"] == f["sent"] and f["failed"] == 0, f["errors"]
@@ -88,11 +99,21 @@ def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(t
         assert f["discovery"]["all_healthy_s"] is None  # a floor checks no health
         assert f["router_gc"] == {} and f["cache_index"] is None  # nor serves /metrics
     rows = [line.split() for line in run.stdout.splitlines()
-            if line.startswith(("  pdserve ", "  floor aio ", "  floor sync "))]
-    assert [row[0] for row in rows] == ["pdserve", "floor", "floor"] and rows[0][-1] == "1.00x"
-    assert all(row[-1].endswith("x") for row in rows)
+            if line.startswith(("  pdserve ", "  floor "))]
+    assert [row[1] if row[0] == "floor" else row[0] for row in rows] == ["pdserve", *kinds]
+    assert rows[0][-1] == "1.00x" and all(row[-1].endswith("x") for row in rows)
     assert _ours_running("pdserve-bench-router-") == []
     assert _ours_running("pdserve.bench.router_floor") == []
+    assert _ours_running("router_floor-") == []  # the native one
+    if native:
+        assert "the native floor is left out" in run.stdout
+        cannot_run(native)
+
+
+def test_bench_router_floor_kinds_are_named():
+    run = subprocess.run(pdserve_argv("bench", "router", "--floor", "aio,rust"),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--floor rust: not a floor (aio, sync, native)" in run.stderr
 
 
 def test_bench_router_refuses_bad_flags_by_name():
@@ -102,3 +123,6 @@ def test_bench_router_refuses_bad_flags_by_name():
     run = subprocess.run(pdserve_argv("bench", "router", "--vanish", "1.5"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--vanish 1.5" in run.stderr
+    run = subprocess.run(pdserve_argv("bench", "router", "--harness-cpus", "0,4096"),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--harness-cpus 0,4096: not all of [" in run.stderr
