@@ -24,7 +24,7 @@ run: venv
 	$(BIN)/pdserve up --demo  # SmolLM2 answers a chat question (converted on first use)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # mypy needs the package under its import name (pdserve -> services/): a symlink in build/.
 # The generated stubs (pdserve.v1) are only followed as imports, never checked themselves.
