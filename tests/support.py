@@ -83,8 +83,9 @@ def running(argv: Sequence[str], address: str | None = None, env: dict[str, str]
 
 
 def cannot_run(why: str) -> None:
-    """Skip with the reason where a system package is missing; in CI (CI=true) fail instead:
-    .ci/run installs what these tests need, so there they always run."""
+    """Skip with the reason where the machine lacks something (a system package, root for
+    network namespaces, podman); in CI (CI=true) fail instead: .ci/run installs what the
+    tests need, so there they always run."""
     import pytest
 
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):

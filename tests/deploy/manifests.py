@@ -3,7 +3,6 @@ which pdserve command each container runs, with which flags and environment."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -13,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from tests.support import cannot_run
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -22,17 +22,6 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 POD_IP = "10.1.2.3"  # what the downward API's status.podIP stands for in these tests
 POD_NAME = "pod-0"
 NAMESPACE = "pdserve"
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def cannot_run(why: str) -> None:
-    """Skip with the reason; in CI (CI=true) fail instead, so these tests always run there."""
-    if in_ci():
-        pytest.fail(f"{why}, and CI must run these tests")
-    pytest.skip(why)
 
 
 def kubectl() -> str:

@@ -17,8 +17,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 from pdserve.bench.netns import in_ns, wait_operstate_up
+
+from tests.support import cannot_run
 
 BRIDGE_SUBNET = "10.205.{}.{}"  # bridged hosts
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts NETNS_ETC/NS/* over /etc/*
@@ -26,14 +27,6 @@ NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts NETNS_ETC/NS/* 
 
 def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def cannot_run(why: str) -> None:
-    """Skip with the reason; in CI (CI=true) fail instead, so these tests never silently do
-    not run there."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"{why}, and CI must run them")
-    pytest.skip(why)
 
 
 def require_root() -> None:
