@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
 from pdserve.common.health import wait_serving
 from pdserve.common.ports import free_port
 from pdserve.common.security import ChannelSecurity
@@ -86,8 +87,6 @@ def cannot_run(why: str) -> None:
     """Skip with the reason where the machine lacks something (a system package, root for
     network namespaces, podman); in CI (CI=true) fail instead: .ci/run installs what the
     tests need, so there they always run."""
-    import pytest
-
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"{why}, and CI must run this test")
     pytest.skip(why)

@@ -29,9 +29,12 @@ def proto_root() -> Path:
     return Path(__file__).resolve().parents[2] / "protos"
 
 
+def _protos() -> list[Path]:
+    return [proto_root() / "pdserve" / "v1" / f"{name}.proto" for name in PROTOS]
+
+
 def _sources() -> list[Path]:
-    return [SOURCE, HEALTH,
-            *(proto_root() / "pdserve" / "v1" / f"{name}.proto" for name in PROTOS)]
+    return [SOURCE, HEALTH, *_protos()]
 
 
 def binary_name() -> str:
@@ -58,10 +61,9 @@ def binary() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".floor-", dir=target.parent) as tmp:
         out = Path(tmp)
-        protos = [str(p) for p in _sources()[2:]]
-        for root, files in ((proto_root(), protos), (HEALTH.parent, [str(HEALTH)])):
+        for root, files in ((proto_root(), _protos()), (HEALTH.parent, [HEALTH])):
             _run([protoc, f"-I{root}", f"--cpp_out={out}", f"--grpc_out={out}",
-                  f"--plugin=protoc-gen-grpc={plugin}", *files])
+                  f"--plugin=protoc-gen-grpc={plugin}", *map(str, files)])
         flags = _run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf",
                       "absl_synchronization"]).split()
         generated = sorted(str(p) for p in out.rglob("*.cc"))
