@@ -184,9 +184,10 @@ class AttemptRunner:
                 continue
             stub = worker.decode
             try:
-                reply = unary_call(self._pool, scope, "router.reserve", stub.Reserve, request,
-                                   self._reserve_timeout_s, f"decode {address}", "reserve",
-                                   address, decode=address, placement=placement.explain())
+                reply = unary_call(self._pool, scope, "router.reserve", worker.unary.reserve,
+                                   request, self._reserve_timeout_s, f"decode {address}",
+                                   "reserve", address, decode=address,
+                                   placement=placement.explain())
             except (ClientCancelled, Retry) as failure:
                 # The worker may still have granted it after we stopped waiting: release it
                 # (by request id) so the pages do not sit out the whole lease.
@@ -242,7 +243,7 @@ class AttemptRunner:
                 continue
             sent = self._clock()
             try:
-                reply = unary_call(self._pool, scope, "router.prefill", worker.prefill.Prefill,
+                reply = unary_call(self._pool, scope, "router.prefill", worker.unary.prefill,
                                    request, self._prefill_timeout_s, f"prefill {address}",
                                    f"prefill + KV handoff to decode {reservation.address}",
                                    address, prefill=address, decode=reservation.address,

@@ -2,9 +2,9 @@
 
 The servicer hands `CallScope.cancel` to `context.add_callback`, which gRPC runs when the
 client's call ends for any reason (cancelled, deadline, or finished). While work for the call
-is in flight (a Prefill future, a Decode stream, a held reservation) it is registered with
+is in flight (a Prefill call, a Decode stream, a held reservation) it is registered with
 `guard(hook)`; `cancel()` runs every registered hook once. Hooks run on a gRPC thread, so they
-must not block: cancel a future, start an Abort with `.future()`.
+must not block: cancel a call, start an Abort with `.future()`.
 """
 
 from __future__ import annotations

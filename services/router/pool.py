@@ -26,10 +26,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.cache_feed import CacheFeeds, Followed
+from pdserve.router.calls import ON_THREAD, WorkerCalls, reply
 from pdserve.router.check_schedule import DOWN_PER_TICK, plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DecodeLoad, PrefillLoad
@@ -44,6 +45,7 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted worker is seen again quickly
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    *ON_THREAD,  # unary-stream calls driven by their reader (calls.py)
 )
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 ROLES = ("prefill", "decode")
@@ -102,7 +104,7 @@ class WorkerPool:
                     self._channels[address] = channel
                     stub = stub_cls(channel)
                     self._workers[(role, address)] = Worker(
-                        address, role, channel, stub, health_pb2_grpc.HealthStub(channel),
+                        address, role, channel, stub, WorkerCalls(channel, role),
                         streams=DecodeStreams(stub, address) if role == "decode"
                         and self._shared_decode_stream else None)
                 self._joins[role] += 1
@@ -210,7 +212,7 @@ class WorkerPool:
             fresh: common_pb2.WorkerStats | None = None
             error = "not SERVING"
             try:
-                fresh = stat.result()
+                fresh = reply(stat)
             except grpc.RpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
             if fresh is not None and fresh.HasField("cache"):
@@ -222,7 +224,7 @@ class WorkerPool:
                                                  else worker.healthy)
             else:
                 try:
-                    healthy, error = check.result().status == _SERVING, "not SERVING"
+                    healthy, error = reply(check).status == _SERVING, "not SERVING"
                 except grpc.RpcError as exc:
                     healthy, error = False, f"{exc.code().name}: {exc.details()}"
             with self._lock:
@@ -257,14 +259,15 @@ class WorkerPool:
                      if w.member and w.healthy}
         return list(found.values())
 
-    def _ask(self, worker: Worker) -> tuple[grpc.Future | None, grpc.Future] | None:
+    def _ask(self, worker: Worker) -> tuple[Any, Any] | None:
         """Start `worker`'s Stats call, and its health Check unless its last Stats said
-        `serving` (one call, not two); None when its channel closed since the round began."""
+        `serving` (one call, not two); None when its channel closed since the round began.
+        The round's calls are in flight at once and read in turn, on this thread."""
         t = self.timeout_s
         try:
             check = None if worker.stats is not None and worker.stats.HasField("serving") \
-                else worker.health.Check.future(health_pb2.HealthCheckRequest(), timeout=t)
-            return check, worker.stub.Stats.future(self._stats_request(worker), timeout=t)
+                else worker.unary.check(health_pb2.HealthCheckRequest(), timeout=t)
+            return check, worker.unary.stats(self._stats_request(worker), timeout=t)
         except ValueError:  # grpc: "Cannot invoke RPC: Channel closed!"
             log.debug("%s worker %s left during a check round", worker.role, worker.address)
             return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from pdserve.router.calls import WorkerCalls
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DEFAULT_BLOCK_SIZE, DecodeLoad, PrefillLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -20,7 +20,7 @@ class Worker:
     role: str  # "prefill" or "decode"
     channel: grpc.Channel
     stub: prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub
-    health: health_pb2_grpc.HealthStub
+    unary: WorkerCalls  # its unary methods, called on the caller's thread
     healthy: bool = False
     stats: common_pb2.WorkerStats | None = None
     inflight_prompt_tokens: int = 0

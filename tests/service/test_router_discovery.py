@@ -188,21 +188,25 @@ def test_workers_join_and_leave_under_load_and_no_request_is_lost(tok, workers):
 
 
 class LeavesWhenChecked:
-    """A health stub whose first Check retires its worker and closes its channel before the
-    call goes out: the interleaving a check round meets when a worker leaves (and its last
-    call ends) between the round's snapshot of the members and its calls to them."""
+    """A worker's calls whose first health check retires the worker and closes its channel
+    before the call goes out: the interleaving a check round meets when a worker leaves (and
+    its last call ends) between the round's snapshot of the members and its calls to them."""
 
     def __init__(self, pool: WorkerPool, worker, stay: list[str]):
-        self.pool, self.worker, self.stay, self.real = pool, worker, stay, worker.health
+        self.pool, self.worker, self.stay, self.real = pool, worker, stay, worker.unary
         self.fired = threading.Event()
 
     @property
-    def Check(self):
+    def check(self):
         if not self.fired.is_set():
             self.fired.set()
             self.pool.set_members("decode", self.stay)
             self.worker.channel.close()
-        return self.real.Check
+        return self.real.check
+
+    @property
+    def stats(self):
+        return self.real.stats
 
 
 def test_a_worker_leaving_during_a_check_round_does_not_stop_the_checks(workers):
@@ -214,7 +218,7 @@ def test_a_worker_leaving_during_a_check_round_does_not_stop_the_checks(workers)
     try:
         leaving = pool._workers[("decode", d0)]
         trap = LeavesWhenChecked(pool, leaving, stay=[d1])
-        leaving.health = trap
+        leaving.unary = trap
         pool.start()
         assert wait_for(trap.fired.is_set, timeout_s=10)
         # The newcomer is checked (so the checker lives), and d0 comes back and is checked.
