@@ -160,9 +160,11 @@ class CacheFeeds:
 
     def cached_pages(self, addresses: Iterable[str], prompt_ids: Sequence[int]
                      ) -> dict[str, int]:
-        """Leading pages of the prompt each worker holds, as far as the index knows."""
+        """Leading pages of the prompt each worker holds, as far as the index knows; a
+        worker left out holds none (only the holders of its first page are looked up)."""
+        held = self.holders(prompt_ids)
         return {address: self.index.cached_pages(address, self.prompt_keys(address, prompt_ids))
-                for address in addresses}
+                for address in addresses if address in held}
 
     def holders(self, prompt_ids: Sequence[int]) -> set[str]:
         """Workers holding at least the prompt's first page, as far as the index knows (for
