@@ -151,6 +151,21 @@ class RouterMetrics:
                                       "--cache-index-max-pages", value=evicted())
         self.registry.register(_CallbackCollector(collect))
 
+    def watch_peers(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        """Export the --peers exchange: batches sent and failed (per peer), placements
+        received from other routers."""
+        def collect() -> Iterator[Metric]:
+            sent, failed, received = counts()
+            family = CounterMetricFamily("pdserve_router_peer_batches", "batches of placements "
+                                         "this router sent to its --peers, per peer",
+                                         labels=("result",))
+            family.add_metric(("sent",), sent)
+            family.add_metric(("failed",), failed)
+            yield family
+            yield CounterMetricFamily("pdserve_router_peer_placements_received", "placements "
+                                      "other routers told this one of", value=received)
+        self.registry.register(_CallbackCollector(collect))
+
 
 class WorkerMetrics:
     """A prefill, decode or co-located worker: engine gauges read from `stats()` at scrape

@@ -123,11 +123,21 @@ def peer_identity(context: grpc.ServicerContext) -> str:
 def load_api_keys(path: str) -> frozenset[bytes]:
     """The SHA-256 digests of the keys in `path`: one key per line, `#` comments and blank
     lines ignored. Raises ValueError naming the file when it holds no key."""
+    return frozenset(_digest(k) for k in _api_keys(path))
+
+
+def first_api_key(path: str) -> str:
+    """The first key of an API key file: what a router presents to its peers (which read the
+    same file). Raises OSError, or ValueError naming the file when it holds no key."""
+    return _api_keys(path)[0]
+
+
+def _api_keys(path: str) -> list[str]:
     keys = [line.strip() for line in Path(path).read_text().splitlines()]
     keys = [k for k in keys if k and not k.startswith("#")]
     if not keys:
         raise ValueError(f"{path}: no API key in the file (one key per line)")
-    return frozenset(_digest(k) for k in keys)
+    return keys
 
 
 def _digest(key: str) -> bytes:

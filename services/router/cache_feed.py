@@ -65,11 +65,15 @@ class CacheFeeds:
         # One request's placements (decode, prefill) and speculations all ask for the keys of
         # the same prompt, on the same thread: hashed once per layout, not once per question.
         self._recent = threading.local()
+        self._members: frozenset[str] = frozenset()  # healthy workers, as of the last sync
+        # Called with (worker, layout, keys) for each of this router's placements (peers.py).
+        self.on_placed: Callable[[str, tuple[int, int], list[int]], None] | None = None
 
     def sync(self, members: Iterable[Followed]) -> None:
         """Follow these workers (start streams for new ones); stop following the rest. More
         than FOLLOW_MAX_WORKERS: no streams, their Stats reads bring their events."""
         wanted = {m.address: m for m in members}
+        self._members = frozenset(wanted)
         with self._lock:
             left = self._polled - wanted.keys()
             self._polled -= left
@@ -177,7 +181,27 @@ class CacheFeeds:
         return found
 
     def speculate(self, address: str, prompt_ids: Sequence[int]) -> None:
-        self.index.speculate(address, self.prompt_keys(address, prompt_ids))
+        """This router placed the prompt on `address` (and tells its peers, `on_placed`)."""
+        keys = self.prompt_keys(address, prompt_ids)
+        self.index.speculate(address, keys)
+        layout = self._layout.get(address)
+        if keys and layout is not None and self.on_placed is not None:
+            self.on_placed(address, layout, keys)
+
+    def peer_placed(self, address: str, layout: tuple[int, int], keys: Sequence[int]) -> None:
+        """Another router placed a prompt with these page keys on `address`: held there as
+        if this router had (a worker it does not serve, or of another layout now, is left
+        out; one whose layout it has not read yet takes the peer's)."""
+        if address not in self._members or not keys:
+            return
+        known = self._layout.get(address)
+        if known is None:
+            self._set_layout(address, layout)
+            with self._lock:
+                self._polled.add(address)  # so that it is forgotten when it leaves
+        elif known != layout:
+            return
+        self.index.speculate(address, keys)
 
     # ---- one worker's stream --------------------------------------------------------------
     def _follow(self, worker: Followed) -> None:

@@ -42,18 +42,22 @@ class WorkerCalls:
     a call to pass to `reply` (and to `.cancel()` from elsewhere)."""
 
     def __init__(self, channel: grpc.Channel, role: str):
-        def method(path: str, request: Any, response: Any) -> grpc.UnaryStreamMultiCallable:
-            return channel.unary_stream(path, request_serializer=request.SerializeToString,
-                                        response_deserializer=response.FromString)
-
         service = "/pdserve.v1.Prefill/" if role == "prefill" else "/pdserve.v1.Decode/"
-        self.stats = method(service + "Stats", common_pb2.StatsRequest, common_pb2.WorkerStats)
-        self.check = method("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest,
-                            health_pb2.HealthCheckResponse)
-        self.reserve = method("/pdserve.v1.Decode/Reserve", decode_pb2.ReserveRequest,
-                              decode_pb2.ReserveResponse)
-        self.prefill = method("/pdserve.v1.Prefill/Prefill", prefill_pb2.PrefillRequest,
-                              prefill_pb2.PrefillResponse)
+        self.stats = on_thread(channel, service + "Stats", common_pb2.StatsRequest,
+                               common_pb2.WorkerStats)
+        self.check = on_thread(channel, "/grpc.health.v1.Health/Check",
+                               health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse)
+        self.reserve = on_thread(channel, "/pdserve.v1.Decode/Reserve", decode_pb2.ReserveRequest,
+                                 decode_pb2.ReserveResponse)
+        self.prefill = on_thread(channel, "/pdserve.v1.Prefill/Prefill",
+                                 prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse)
+
+
+def on_thread(channel: grpc.Channel, path: str, request: Any, response: Any
+              ) -> grpc.UnaryStreamMultiCallable:
+    """The unary method `path` of `channel` (opened with ON_THREAD), called as a stream."""
+    return channel.unary_stream(path, request_serializer=request.SerializeToString,
+                                response_deserializer=response.FromString)
 
 
 class NoReply(grpc.RpcError):

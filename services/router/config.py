@@ -29,6 +29,11 @@ class RouterConfig(ServerConfig):
                                          "dns:///NAME:PORT (every address record of NAME is a "
                                          "worker)")
     discovery_interval_s: float = option(5.0, "how often dns:/// targets are resolved again (s)")
+    peers: tuple[str, ...] = option((), "the other router replicas of this pool, host:port and "
+                                        "dns:///NAME:PORT (itself among them is fine): each "
+                                        "tells the others where it placed prompts, so their "
+                                        "prefix-cache indexes know before the workers' own "
+                                        "events arrive (seconds apart past 128 workers)")
     model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
                                      "are read), or a built-in model (smollm2, tiny, small); "
                                      "default: smollm2")
@@ -92,6 +97,11 @@ class RouterConfig(ServerConfig):
                     parse_target(entry)
                 except ValueError as exc:
                     raise ValueError(f"{role}={entry!r}: {exc}") from None
+        for entry in self.peers:
+            try:
+                parse_target(entry)
+            except ValueError as exc:
+                raise ValueError(f"peers={entry!r}: {exc}") from None
         require(self.model is None or bool(self.model), "model", self.model, "a directory")
         require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
                 self.api_key_file, "a readable file of API keys")
@@ -118,5 +128,5 @@ class RouterConfig(ServerConfig):
                        self.imbalance_slack, sample=self.placement_sample)
 
     def targets(self, role: str) -> list[Target]:
-        """The parsed --prefill or --decode entries."""
+        """The parsed --prefill, --decode or --peers entries."""
         return [parse_target(entry) for entry in getattr(self, role)]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 from pdserve.common.config import parse_config
 from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
@@ -33,6 +34,7 @@ from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.http_server import HttpFrontDoor
 from pdserve.router.lifecycle import Lifecycle
+from pdserve.router.peers import PeerPlacements
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
 from pdserve.router.tokenizer import Tokenizer, hide_torch
@@ -98,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                           renew_lease_s=cfg.lease_ms / 1e3, cache=feeds, weights=cfg.weights,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
     servicer = RouterServicer(lifecycle, cfg.max_streams)
+    peers: PeerPlacements | None = None
+    if cfg.peers and feeds is not None:
+        peers = PeerPlacements(cfg.targets("peers"), feeds,
+                               security=ChannelSecurity.from_options(cfg),
+                               api_key_file=cfg.api_key_file)
+        lifecycle.metrics.watch_peers(peers.counts)
+    elif cfg.peers:
+        log.warning("--peers has no use with --no-cache-aware: nothing is told to them")
     lifecycle.metrics.watch_pool(pool.counts, lambda: discovery.failures)
     if feeds is not None:
         index = feeds.index
@@ -106,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                             service=SERVICE)
     discovery.start()
     pool.start()
+    if peers is not None:
+        peers.start()
     # The first check of every worker before either port answers (bounded by the check's
     # timeout): a router started beside SERVING workers is ready from its first answer.
     pool.wait_checked(pool.timeout_s + 1.0)
@@ -121,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             if http is not None:
                 http.drain()
 
-        return serve(SERVICE, cfg.port,
-                     lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
+        def add(server: grpc.Server) -> None:
+            router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+            if peers is not None:
+                router_pb2_grpc.add_RouterPeersServicer_to_server(peers.servicer, server)
+
+        return serve(SERVICE, cfg.port, add,
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
                      on_drain=drain, max_workers=cfg.max_streams + 8,
                      credentials=server_credentials(cfg), interceptors=interceptors)
@@ -133,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if http is not None:
             http.stop()
         discovery.close()
+        if peers is not None:
+            peers.close()
         if feeds is not None:
             feeds.close()
         lifecycle.close()

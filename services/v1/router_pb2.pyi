@@ -120,3 +120,29 @@ class GenerateResponse(_message.Message):
     timing: Timing
     finish: Finish
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
+
+class PlacedBatch(_message.Message):
+    __slots__ = ("router_id", "placed")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    placed: _containers.RepeatedCompositeFieldContainer[PlacedPages]
+    def __init__(self, router_id: _Optional[str] = ..., placed: _Optional[_Iterable[_Union[PlacedPages, _Mapping]]] = ...) -> None: ...
+
+class PlacedPages(_message.Message):
+    __slots__ = ("worker", "root_key", "block_size", "page_keys")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    root_key: int
+    block_size: int
+    page_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker: _Optional[str] = ..., root_key: _Optional[int] = ..., block_size: _Optional[int] = ..., page_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlacedAck(_message.Message):
+    __slots__ = ("router_id",)
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    def __init__(self, router_id: _Optional[str] = ...) -> None: ...

@@ -98,3 +98,87 @@ class Router:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RouterPeersStub:
+    """Between router replicas of one pool: the prompt pages each placed on a worker, so that the
+    others' prefix-cache indexes know them before that worker's own cache events reach them (in
+    a pool past 128 workers those come with its Stats reads, up to `workers / 100` seconds
+    apart). A router sends its batch to every --peers address a few times a second.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Placed = channel.unary_unary(
+                '/pdserve.v1.RouterPeers/Placed',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.PlacedBatch.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.PlacedAck.FromString,
+                _registered_method=True)
+
+
+class RouterPeersServicer:
+    """Between router replicas of one pool: the prompt pages each placed on a worker, so that the
+    others' prefix-cache indexes know them before that worker's own cache events reach them (in
+    a pool past 128 workers those come with its Stats reads, up to `workers / 100` seconds
+    apart). A router sends its batch to every --peers address a few times a second.
+    """
+
+    def Placed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RouterPeersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Placed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Placed,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.PlacedBatch.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.PlacedAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.RouterPeers', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.RouterPeers', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RouterPeers:
+    """Between router replicas of one pool: the prompt pages each placed on a worker, so that the
+    others' prefix-cache indexes know them before that worker's own cache events reach them (in
+    a pool past 128 workers those come with its Stats reads, up to `workers / 100` seconds
+    apart). A router sends its batch to every --peers address a few times a second.
+    """
+
+    @staticmethod
+    def Placed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterPeers/Placed',
+            pdserve_dot_v1_dot_router__pb2.PlacedBatch.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.PlacedAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

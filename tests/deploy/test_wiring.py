@@ -52,6 +52,21 @@ def test_router_discovers_each_pool_through_its_headless_service(rendered):
                 assert worker_ports == {port}, f"{overlay}: {target} vs workers on {worker_ports}"
 
 
+def test_routers_find_their_peers_through_their_headless_service(rendered):
+    for overlay, objects in rendered.items():
+        found = by_command(objects)
+        services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+        for router in found["router"]:
+            cfg = effective_config(router)
+            (target,) = cfg.peers
+            match = re.fullmatch(r"dns:///([^.:]+)\.([^.:]+)\.svc\.cluster\.local:(\d+)", target)
+            assert match and match[2] == NAMESPACE, f"{overlay}: router --peers {target!r}"
+            service = services[match[1]]
+            assert service["spec"].get("clusterIP") == "None", target
+            assert service["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+            assert int(match[3]) == cfg.port, f"{overlay}: {target} vs the router's {cfg.port}"
+
+
 def test_each_worker_uses_its_pods_agent_and_both_advertise_the_pod_ip(rendered):
     for overlay, objects in rendered.items():
         maps = config_maps(objects)

@@ -23,5 +23,5 @@ def test_stubs_import_as_pdserve_v1_with_every_service():
 
     services = {name for mod in (router_pb2, prefill_pb2, decode_pb2, kvtransfer_pb2)
                 for name in mod.DESCRIPTOR.services_by_name}
-    assert services == {"Router", "Prefill", "Decode", "KVTransfer"}
+    assert services == {"Router", "RouterPeers", "Prefill", "Decode", "KVTransfer"}
     assert router_pb2.DESCRIPTOR.package == "pdserve.v1"

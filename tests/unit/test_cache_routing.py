@@ -134,6 +134,38 @@ def test_the_routers_index_cap_is_a_flag_with_a_clear_refusal(capsys):
     assert exit_info.value.code == 2 and "cache_index_max_pages" in capsys.readouterr().err
 
 
+def test_another_routers_placements_count_as_held_for_the_workers_this_one_serves(capsys):
+    """`--peers`: what a peer placed is held in this router's index as its own placements are
+    (a large pool: no streams opened here), for its members only, in the layout it knows."""
+    from pdserve.common.config import parse_config
+    from pdserve.router.cache_feed import FOLLOW_MAX_WORKERS, CacheFeeds, Followed
+    from pdserve.router.config import RouterConfig
+
+    feeds = CacheFeeds(CacheIndex(clock=FakeClock()))
+    members = [f"w{i}:1" for i in range(FOLLOW_MAX_WORKERS + 1)]
+    feeds.sync([Followed(a, lambda request: None) for a in members])  # polled: no streams
+    told: list[tuple[str, tuple[int, int], list[int]]] = []
+    feeds.on_placed = lambda *placed: told.append(placed)
+    feeds.peer_placed("w0:1", (77, 16), [1, 2, 3])
+    assert feeds.index.cached_pages("w0:1", [1, 2, 3, 4]) == 3
+    assert feeds.prompt_keys("w0:1", list(range(40))) != []  # its layout, from the peer
+    feeds.peer_placed("w0:1", (78, 16), [5])   # another layout than the one known: left out
+    feeds.peer_placed("gone:1", (77, 16), [5])  # not one of this router's workers
+    assert feeds.index.cached_pages("w0:1", [5]) == 0
+    assert feeds.index.cached_pages("gone:1", [5]) == 0 and told == []  # not passed on
+    feeds.speculate("w1:1", list(range(40)))  # its layout unknown: nothing to tell
+    feeds.peer_placed("w1:1", (77, 16), [9])
+    feeds.speculate("w1:1", list(range(40)))  # now this router's own placement: told
+    assert [(w, layout, len(keys)) for w, layout, keys in told] == [("w1:1", (77, 16), 2)]
+
+    need = ["--prefill", "p:1", "--decode", "d:1"]
+    assert parse_config(RouterConfig, "router", [*need, "--peers", "dns:///routers:50051,r:1"]
+                        ).peers == ("dns:///routers:50051", "r:1")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(RouterConfig, "router", [*need, "--peers", "http://r:1"])
+    assert exit_info.value.code == 2 and "peers='http://r:1'" in capsys.readouterr().err
+
+
 # ---- placement ----------------------------------------------------------------------------
 def _decode(address: str, sequences: int = 0, free: int | None = 1000) -> DecodeLoad:
     return DecodeLoad(address, True, free_pages=free, running_sequences=sequences)
