@@ -14,8 +14,7 @@ loads current itself: prompt tokens in flight per prefill worker, each decode wo
 Stats adjusted after every reservation it grants.
 
 The per-request path takes the pool's lock for a few dictionary operations only: reading
-loads, and `acquire` / `release` around each call to a worker.
-"""
+loads, and `acquire` / `release` around each call to a worker."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted worker is seen again quickly
     ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-    *ON_THREAD,  # unary-stream calls driven by their reader (calls.py)
+    ("grpc.max_reconnect_backoff_ms", 2_000), *ON_THREAD,  # calls on their reader's thread
 )
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 ROLES = ("prefill", "decode")
@@ -200,7 +198,8 @@ class WorkerPool:
                                    all(w.healthy for w in members), RECHECK_DOWN_S))
 
     def check_now(self, workers: list[Worker] | None = None) -> None:
-        """One round: Stats (and Check, see `_ask`) of `workers` (all members), in parallel."""
+        """One round: Stats (and Check, see `_ask`) of `workers` (all members), all in flight
+        at once, read in turn on this thread."""
         if workers is None:
             with self._lock:
                 workers = [w for w in self._workers.values() if w.member]
@@ -261,8 +260,7 @@ class WorkerPool:
 
     def _ask(self, worker: Worker) -> tuple[Any, Any] | None:
         """Start `worker`'s Stats call, and its health Check unless its last Stats said
-        `serving` (one call, not two); None when its channel closed since the round began.
-        The round's calls are in flight at once and read in turn, on this thread."""
+        `serving` (one call, not two); None when its channel closed since the round began."""
         t = self.timeout_s
         try:
             check = None if worker.stats is not None and worker.stats.HasField("serving") \

@@ -8,16 +8,14 @@ prefix is placed on the same worker by the other at once.
 
 from __future__ import annotations
 
-import os
 import urllib.request
 
 import grpc
 import pytest
-from pdserve.sim.host import SimConfig
 from pdserve.v1 import router_pb2_grpc
 
 from tests.service.test_cache_routing import _metric
-from tests.service.test_sim_workers import _generate
+from tests.service.test_sim_workers import _generate, sim_pool
 from tests.support import free_port, pdserve_argv, running, wait_for
 
 pytestmark = pytest.mark.service
@@ -25,14 +23,7 @@ WORKERS = 80  # per role: 160 > 128, so the routers read the workers' caches wit
 
 
 def test_a_prefix_one_router_placed_is_placed_there_by_the_other(tiny_model_dir) -> None:
-    first = f"127.{os.getpid() % 200 + 20}.254.1"
-    pport, dport = free_port(), free_port()
-    cfg = SimConfig(prefill=WORKERS, decode=WORKERS, first_address=first, prefill_port=pport,
-                    decode_port=dport)
-    sim = pdserve_argv("sim", "--prefill", str(WORKERS), "--decode", str(WORKERS),
-                       "--first-address", first, "--prefill-port", str(pport),
-                       "--decode-port", str(dport))
-    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    sim, prefill, decode = sim_pool(WORKERS, WORKERS, 254)
     ports, metrics = [free_port(), free_port()], [free_port(), free_port()]
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)  # each router is among its peers too
 

@@ -27,6 +27,20 @@ pytestmark = pytest.mark.service
 WORKERS = 8
 
 
+def sim_pool(prefill: int, decode: int, third_octet: int
+             ) -> tuple[list[str], list[str], list[str]]:
+    """A `pdserve sim` command for `prefill` + `decode` workers from 127.X.third_octet.1 (X
+    from the pid: tests running at once do not meet), and the two pools' addresses."""
+    first = f"127.{os.getpid() % 200 + 20}.{third_octet}.1"
+    pport, dport = free_port(), free_port()
+    cfg = SimConfig(prefill=prefill, decode=decode, first_address=first, prefill_port=pport,
+                    decode_port=dport)
+    sim = pdserve_argv("sim", "--prefill", str(prefill), "--decode", str(decode),
+                       "--first-address", first, "--prefill-port", str(pport),
+                       "--decode-port", str(dport))
+    return sim, cfg.addresses("prefill"), cfg.addresses("decode")
+
+
 def test_profile_times_and_a_profile_file(tmp_path) -> None:
     p = SimProfile(prefill_base_ms=1.0, prefill_ms_per_token=0.5, decode_base_ms=2.0,
                    decode_ms_per_seq=0.25, handoff_base_ms=0.5, handoff_gb_s=2.0,
@@ -76,14 +90,8 @@ def _generate(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_tokens: i
 
 @pytest.mark.parametrize("remote_min", ["0", "256"])
 def test_a_real_router_drives_a_simulated_pool(tiny_model_dir, remote_min) -> None:
-    first = f"127.{os.getpid() % 200 + 20}.{int(remote_min) % 250}.1"
-    pport, dport, rport = free_port(), free_port(), free_port()
-    sim = pdserve_argv("sim", "--prefill", str(WORKERS), "--decode", str(WORKERS),
-                       "--first-address", first, "--prefill-port", str(pport),
-                       "--decode-port", str(dport))
-    cfg = SimConfig(prefill=WORKERS, decode=WORKERS, first_address=first, prefill_port=pport,
-                    decode_port=dport)
-    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    sim, prefill, decode = sim_pool(WORKERS, WORKERS, int(remote_min) % 250)
+    rport = free_port()
     router = pdserve_argv("router", "--model", str(tiny_model_dir), "--port", str(rport),
                           "--http-port", "-1", "--metrics-port", "-1", "--prefill",
                           ",".join(prefill), "--decode", ",".join(decode),
@@ -168,14 +176,7 @@ def test_two_routers_share_one_pool(tiny_model_dir) -> None:
     workers, requests sent to both at once, each placing by what it sees (the workers' Stats
     and its own calls): every request comes back right, both spread over the pool, and every
     reservation of either is released on the workers."""
-    first = f"127.{os.getpid() % 200 + 20}.252.1"
-    pport, dport = free_port(), free_port()
-    cfg = SimConfig(prefill=WORKERS, decode=WORKERS, first_address=first, prefill_port=pport,
-                    decode_port=dport)
-    sim = pdserve_argv("sim", "--prefill", str(WORKERS), "--decode", str(WORKERS),
-                       "--first-address", first, "--prefill-port", str(pport),
-                       "--decode-port", str(dport))
-    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    sim, prefill, decode = sim_pool(WORKERS, WORKERS, 252)
     ports = [free_port(), free_port()]
 
     def router(port: int) -> list[str]:
@@ -216,13 +217,8 @@ def test_simulated_workers_announce_their_prefix_cache_and_the_router_uses_it(ti
     from pdserve.sim.cache import fingerprint
     from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
-    first = f"127.{os.getpid() % 200 + 20}.253.1"
-    pport, dport, rport = free_port(), free_port(), free_port()
-    cfg = SimConfig(prefill=4, decode=4, first_address=first, prefill_port=pport,
-                    decode_port=dport)
-    sim = pdserve_argv("sim", "--prefill", "4", "--decode", "4", "--first-address", first,
-                       "--prefill-port", str(pport), "--decode-port", str(dport))
-    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    sim, prefill, decode = sim_pool(4, 4, 253)
+    rport = free_port()
     profile = SimProfile()
     prefix = [7 + j % 150 for j in range(64)]  # four full pages
     with running(sim, decode[-1]):
@@ -317,13 +313,8 @@ def test_a_pool_past_the_stream_limit_has_its_cache_read_with_its_stats(tiny_mod
 
     n = 200
     assert 2 * n > FOLLOW_MAX_WORKERS
-    first = f"127.{os.getpid() % 200 + 20}.248.1"
-    pport, dport, metrics = free_port(), free_port(), free_port()
-    cfg = SimConfig(prefill=n, decode=n, first_address=first, prefill_port=pport,
-                    decode_port=dport)
-    sim = pdserve_argv("sim", "--prefill", str(n), "--decode", str(n), "--first-address", first,
-                       "--prefill-port", str(pport), "--decode-port", str(dport))
-    prefill, decode = cfg.addresses("prefill"), cfg.addresses("decode")
+    sim, prefill, decode = sim_pool(n, n, 248)
+    metrics = free_port()
     ask = common_pb2.StatsRequest
     with running(sim, decode[-1]):
         with grpc.insecure_channel(prefill[7]) as ch:
