@@ -212,6 +212,7 @@ class AttemptRunner:
                                        on_done=functools.partial(self._pool.release, worker),
                                        keeper=self._keeper)
             handle.placement = placement.explain()
+            handle.decode_call = worker.unary.decode
             if len(self._pool.healthy("decode")) <= SHARED_STREAM_MAX_WORKERS:
                 handle.streams = worker.streams
             return handle

@@ -2,20 +2,25 @@
 elsewhere (`Retry`), the client's own answer (`ResourceExhausted`, `ServiceError`), or the
 client gone (`ClientCancelled`); every error names the peer and the phase.
 
-The router's unary calls to workers run on the thread that waits for them (`WorkerCalls`).
-grpc's sync API otherwise starts a thread for a call on a channel that has none in flight (the
-channel's "spin" thread, which ends with the channel's last call), and in front of many
-workers almost every call finds its channel idle: each Reserve, Prefill and Stats read started
-and ended a thread (~75 us of CPU here) and handed its answer over to the waiting one. Called
-as a unary-stream call on a channel with grpc's SingleThreadedUnaryStream option, the same
-request (the wire is the same: one message each way, then the status) is driven by the caller,
-stays cancellable from another thread, and several can be in flight at once, each read in
-turn. At 1,000 simulated workers and 200 req/s: 3.72-3.78 ms of router CPU a request against
-4.38, router-added p50 10.4-10.8 against 18.7-19.0 ms (docs/benchmarks.md, issue 24).
+The router's calls to workers (Reserve, Prefill, a sequence's Decode stream, the health
+rounds' Stats and Check; a peer router's Placed) run on the thread that waits for them
+(`WorkerCalls`). grpc's sync API otherwise starts a thread for a call on a channel that has
+none in flight (the channel's "spin" thread, which ends with the channel's last call), and in
+front of many workers almost every call finds its channel idle: each call started and ended
+a thread (~75 us of CPU here) and handed every message over to the waiting thread. Called as
+unary-stream calls on a channel of the worker's own with grpc's SingleThreadedUnaryStream
+option, the same requests (the wire is the same) are driven by the reading thread, and several
+can be in flight at once, each read in turn (`reply`).
+
+grpc leaves the rest of a cancelled single-threaded call in its completion queue, for good
+(~27 KB a call, measured) unless its reader takes it: `OnThreadCall` is cancellable from any
+thread and takes what is left on the reading side. At 1,000 simulated workers and 200 req/s
+(docs/benchmarks.md, issue 24): 3.7 ms of router CPU a request against 4.38.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import grpc
@@ -32,8 +37,8 @@ RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"})
 DECODE_START_RETRYABLE = RETRYABLE | {"FAILED_PRECONDITION"}
 
 
-# On every worker channel: its unary-stream calls (the ones below, a Decode call per sequence,
-# a CacheEvents stream) are driven by the thread that reads them, not by a spin thread.
+# The channel of `WorkerCalls` (a worker's second, beside the one of its shared DecodeMany
+# stream and CacheEvents): its unary-stream calls are driven by the thread that reads them.
 ON_THREAD = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 
 
@@ -51,6 +56,8 @@ class WorkerCalls:
                                  decode_pb2.ReserveResponse)
         self.prefill = on_thread(channel, "/pdserve.v1.Prefill/Prefill",
                                  prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse)
+        self.decode = on_thread(channel, "/pdserve.v1.Decode/Decode", decode_pb2.DecodeRequest,
+                                decode_pb2.DecodeResponse)  # a stream: wrap in OnThreadCall
 
 
 def on_thread(channel: grpc.Channel, path: str, request: Any, response: Any
@@ -58,6 +65,52 @@ def on_thread(channel: grpc.Channel, path: str, request: Any, response: Any
     """The unary method `path` of `channel` (opened with ON_THREAD), called as a stream."""
     return channel.unary_stream(path, request_serializer=request.SerializeToString,
                                 response_deserializer=response.FromString)
+
+
+class OnThreadCall:
+    """A `WorkerCalls` call as the router holds one: iterate it on one thread, `cancel()` it
+    from any. Whatever grpc still holds for it once it is cancelled is taken on the reading
+    side: by `cancel()` itself when no read is under way, else by that read when it ends."""
+
+    def __init__(self, call: Any):
+        self._call = call
+        self._lock = threading.Lock()
+        self._drained = threading.Lock()
+        self._reading = self._cancelled = False
+
+    def __iter__(self) -> OnThreadCall:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            self._reading = True
+        try:
+            return next(self._call)
+        finally:
+            with self._lock:
+                self._reading = False
+                cancelled = self._cancelled
+            if cancelled:
+                self._drain()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        with self._lock:
+            self._cancelled = True
+            reading = self._reading
+        if not reading:
+            self._drain()
+
+    def _drain(self) -> None:
+        # grpc's _SingleThreadedRendezvous: its operations still due, and how it takes the
+        # next event (private: without them, as on another grpc, nothing is taken here).
+        state = getattr(self._call, "_state", None)
+        consume = getattr(self._call, "_consume_next_event", None)
+        if state is None or consume is None:
+            return
+        with self._drained:
+            while state.due:
+                consume()
 
 
 class NoReply(grpc.RpcError):
@@ -115,7 +168,8 @@ def unary_call(pool: Suspects, scope: CallScope, span_name: str,
     with tracing.span(span_name, kind=tracing.CLIENT, worker=address,
                       request_id=getattr(request, "request_id", ""), placement=placement):
         scope.check()
-        call = method(request, timeout=timeout_s, metadata=tracing.outgoing_metadata())
+        call = OnThreadCall(method(request, timeout=timeout_s,
+                                   metadata=tracing.outgoing_metadata()))
         with scope.guard(call.cancel):
             try:
                 return reply(call)

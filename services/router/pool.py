@@ -43,7 +43,7 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted worker is seen again quickly
     ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000), *ON_THREAD,  # calls on their reader's thread
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 )
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 ROLES = ("prefill", "decode")
@@ -75,6 +75,7 @@ class WorkerPool:
         self._suspects: set[str] = set()  # read at the next tick (check_schedule.py)
         self._rotation = 0
         self._channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
+        self._on_thread: dict[str, grpc.Channel] = {}  # the same, for `WorkerCalls` (calls.py)
         self._joins = dict.fromkeys(ROLES, 0)
         self._leaves = dict.fromkeys(ROLES, 0)
         for role, addresses in zip(ROLES, (prefill, decode)):
@@ -100,9 +101,12 @@ class WorkerPool:
                 else:
                     channel = self._channels.get(address) or self._open(address, tls_name)
                     self._channels[address] = channel
+                    calls = self._on_thread.get(address) or self._open(address, tls_name,
+                                                                          ON_THREAD)
+                    self._on_thread[address] = calls
                     stub = stub_cls(channel)
                     self._workers[(role, address)] = Worker(
-                        address, role, channel, stub, WorkerCalls(channel, role),
+                        address, role, channel, stub, WorkerCalls(calls, role),
                         streams=DecodeStreams(stub, address) if role == "decode"
                         and self._shared_decode_stream else None)
                 self._joins[role] += 1
@@ -115,26 +119,28 @@ class WorkerPool:
                              role, address, worker.calls)
                     if worker.calls == 0:
                         idle.append(worker)
-            closing = [self._drop(w) for w in idle]
+            closing = [c for w in idle for c in self._drop(w)]
             self._changed()
-        self._close([c for c in closing if c is not None])
+        self._close(closing)
         self._wake.set()  # newcomers are checked now, not at the next round
 
-    def _open(self, address: str, tls_name: str) -> grpc.Channel:
-        options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS
+    def _open(self, address: str, tls_name: str, extra: tuple[tuple[str, Any], ...] = ()
+              ) -> grpc.Channel:
+        options: tuple[tuple[str, Any], ...] = (*CHANNEL_OPTIONS, *extra)
         if tls_name and self._security is not None and not self._security.server_name:
             options = (*options, ("grpc.ssl_target_name_override", tls_name))
         return open_channel(address, self._security, options)
 
-    def _drop(self, worker: Worker) -> grpc.Channel | None:
-        """Forget a retired worker whose calls ended (lock held); its channel when no other
-        role uses it."""
+    def _drop(self, worker: Worker) -> list[grpc.Channel]:
+        """Forget a retired worker whose calls ended (lock held); its channels when no other
+        role uses them."""
         del self._workers[(worker.role, worker.address)]
         if any(w.address == worker.address for w in self._workers.values()):
-            return None
+            return []
         log.info("%s worker %s left: its calls ended, channel closed", worker.role,
                  worker.address)
-        return self._channels.pop(worker.address, None)
+        return [c for c in (self._channels.pop(worker.address, None),
+                            self._on_thread.pop(worker.address, None)) if c is not None]
 
     @staticmethod
     def _close(channels: list[grpc.Channel]) -> None:
@@ -161,9 +167,8 @@ class WorkerPool:
             worker.inflight_prompt_tokens -= prompt_tokens
             drop = (not worker.member and worker.calls == 0
                     and self._workers.get((worker.role, worker.address)) is worker)
-            channel = self._drop(worker) if drop else None
-        if channel is not None:
-            self._close([channel])
+            channels = self._drop(worker) if drop else []
+        self._close(channels)
 
     # --- checking -------------------------------------------------------------------------
 
@@ -285,8 +290,9 @@ class WorkerPool:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + self.timeout_s + 1)
         with self._lock:
-            channels = list(self._channels.values())
+            channels = [*self._channels.values(), *self._on_thread.values()]
             self._channels.clear()
+            self._on_thread.clear()
         for channel in channels:
             channel.close()
 

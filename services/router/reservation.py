@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 from pdserve.common import tracing
+from pdserve.router.calls import OnThreadCall
 from pdserve.router.mux import DecodeStreams, SequenceStream
 from pdserve.router.renewal import LeaseKeeper
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -43,6 +44,7 @@ class ReservationHandle:
         self.placement = ""  # why this worker (the placement's explanation)
         self.not_held = False  # a renewal found the reservation gone from the worker
         self.streams: DecodeStreams | None = None  # the worker's shared decode stream
+        self.decode_call: Any = None  # else a Decode call on its thread (calls.WorkerCalls)
         self._abort_timeout_s = abort_timeout_s
         self._on_done = on_done  # once: settled, or its Abort answered (the worker is free)
         self._lock = threading.Lock()
@@ -72,6 +74,8 @@ class ReservationHandle:
         metadata = tracing.outgoing_metadata(span)
         if self.streams is not None:
             return self.streams.open(request, tracing.traceparent(span), metadata)
+        if self.decode_call is not None:
+            return OnThreadCall(self.decode_call(request, metadata=metadata))
         return self.stub.Decode(request, metadata=metadata)
 
     def settle(self) -> None:
