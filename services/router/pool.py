@@ -27,9 +27,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 from pdserve.common.metrics import WorkerCounts
-from pdserve.common.security import ChannelSecurity, open_channel
+from pdserve.common.security import ChannelSecurity
 from pdserve.router.cache_feed import CacheFeeds, Followed
-from pdserve.router.calls import ON_THREAD, WorkerCalls, reply
+from pdserve.router.calls import WorkerCalls, reply
+from pdserve.router.channels import Channels
 from pdserve.router.check_schedule import DOWN_PER_TICK, plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DecodeLoad, PrefillLoad
@@ -38,13 +39,6 @@ from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.router.pool")
 
-CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 30_000),        # notice a silent peer on a long decode stream
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted worker is seen again quickly
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 ROLES = ("prefill", "decode")
 RECHECK_DOWN_S = 0.5
@@ -74,8 +68,7 @@ class WorkerPool:
         self._max_len: tuple[int | None] | None = None  # max_model_len() until a change
         self._suspects: set[str] = set()  # read at the next tick (check_schedule.py)
         self._rotation = 0
-        self._channels: dict[str, grpc.Channel] = {}  # a co-located worker serves both roles
-        self._on_thread: dict[str, grpc.Channel] = {}  # the same, for `WorkerCalls` (calls.py)
+        self._channels = Channels(security)  # a co-located worker's roles share them
         self._joins = dict.fromkeys(ROLES, 0)
         self._leaves = dict.fromkeys(ROLES, 0)
         for role, addresses in zip(ROLES, (prefill, decode)):
@@ -99,11 +92,7 @@ class WorkerPool:
                 if worker is not None:  # back before its last call ended: check it again
                     worker.member, worker.healthy, worker.checked = True, False, False
                 else:
-                    channel = self._channels.get(address) or self._open(address, tls_name)
-                    self._channels[address] = channel
-                    calls = self._on_thread.get(address) or self._open(address, tls_name,
-                                                                          ON_THREAD)
-                    self._on_thread[address] = calls
+                    channel, calls = self._channels.get(address, tls_name)
                     stub = stub_cls(channel)
                     self._workers[(role, address)] = Worker(
                         address, role, channel, stub, WorkerCalls(calls, role),
@@ -124,13 +113,6 @@ class WorkerPool:
         self._close(closing)
         self._wake.set()  # newcomers are checked now, not at the next round
 
-    def _open(self, address: str, tls_name: str, extra: tuple[tuple[str, Any], ...] = ()
-              ) -> grpc.Channel:
-        options: tuple[tuple[str, Any], ...] = (*CHANNEL_OPTIONS, *extra)
-        if tls_name and self._security is not None and not self._security.server_name:
-            options = (*options, ("grpc.ssl_target_name_override", tls_name))
-        return open_channel(address, self._security, options)
-
     def _drop(self, worker: Worker) -> list[grpc.Channel]:
         """Forget a retired worker whose calls ended (lock held); its channels when no other
         role uses them."""
@@ -139,8 +121,7 @@ class WorkerPool:
             return []
         log.info("%s worker %s left: its calls ended, channel closed", worker.role,
                  worker.address)
-        return [c for c in (self._channels.pop(worker.address, None),
-                            self._on_thread.pop(worker.address, None)) if c is not None]
+        return self._channels.pop(worker.address)
 
     @staticmethod
     def _close(channels: list[grpc.Channel]) -> None:
@@ -290,9 +271,7 @@ class WorkerPool:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + self.timeout_s + 1)
         with self._lock:
-            channels = [*self._channels.values(), *self._on_thread.values()]
-            self._channels.clear()
-            self._on_thread.clear()
+            channels = self._channels.pop_all()
         for channel in channels:
             channel.close()
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve.common.errors import ResourceExhausted
 from pdserve.router.calls import ON_THREAD, OnThreadCall, WorkerCalls, unary_call
 from pdserve.router.cancel import CallScope, ClientCancelled
-from pdserve.router.pool import CHANNEL_OPTIONS
+from pdserve.router.channels import CHANNEL_OPTIONS
 
 
 class Health(health.HealthServicer):

@@ -1,0 +1,49 @@
+"""The router's channels to its workers: two per worker address, shared by a co-located
+worker's two roles. One carries the calls run on the reading thread (`calls.WorkerCalls`:
+Reserve, Prefill, a sequence's Decode, Stats, Check), the other grpc's threaded calls (the
+shared DecodeMany streams, CacheEvents, Abort, Renew). Not thread-safe: the pool's lock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from pdserve.common.security import ChannelSecurity, open_channel
+from pdserve.router.calls import ON_THREAD
+
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),        # notice a silent peer on a long decode stream
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted worker is seen again quickly
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+class Channels:
+    def __init__(self, security: ChannelSecurity | None):
+        self._security = security
+        self._open: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._open
+
+    def get(self, address: str, tls_name: str) -> tuple[grpc.Channel, grpc.Channel]:
+        """The address's (threaded, on-thread) channels, opened now if they are not open.
+        `tls_name`: the name its certificate carries ("" = the address's host)."""
+        if address not in self._open:
+            options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS
+            if tls_name and self._security is not None and not self._security.server_name:
+                options = (*options, ("grpc.ssl_target_name_override", tls_name))
+            self._open[address] = (open_channel(address, self._security, options),
+                                   open_channel(address, self._security, (*options, *ON_THREAD)))
+        return self._open[address]
+
+    def pop(self, address: str) -> list[grpc.Channel]:
+        """Forget the address's channels; them, to close."""
+        return list(self._open.pop(address, ()))
+
+    def pop_all(self) -> list[grpc.Channel]:
+        channels = [c for pair in self._open.values() for c in pair]
+        self._open.clear()
+        return channels
