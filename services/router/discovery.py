@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 
 from pdserve.router.pool import RECHECK_DOWN_S, ROLES, WorkerPool
-from pdserve.router.targets import Resolver, Target, system_resolver
+from pdserve.router.targets import Lookups, Resolver, Target, system_resolver
 
 log = logging.getLogger("pdserve.router.discovery")
 
@@ -33,13 +33,15 @@ class Discovery:
         self._pool = pool
         self._targets = dict(zip(ROLES, (tuple(prefill), tuple(decode))))
         self.interval_s = interval_s
-        self._resolve = resolve
-        self._known: dict[Target, list[str]] = {}  # last good answer per DNS target
-        self._failing: dict[Target, str] = {}  # DNS targets whose last lookup failed: why
-        self.failures = 0  # lookups that failed, since start
+        self._lookups = Lookups(resolve)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def failures(self) -> int:
+        """DNS lookups that failed, since start."""
+        return self._lookups.failures
 
     @property
     def dynamic(self) -> bool:
@@ -55,29 +57,9 @@ class Discovery:
                     if not target.dns:
                         members.setdefault(target.address, "")
                         continue
-                    for address in self._lookup(role, target):
+                    for address in self._lookups.lookup(target, role):
                         members.setdefault(address, target.host)
                 self._pool.set_members(role, members)
-
-    def _lookup(self, role: str, target: Target) -> list[str]:
-        try:
-            addresses = self._resolve(target.host, target.port)
-            if not addresses:
-                raise OSError("no address records")
-        except OSError as exc:
-            self.failures += 1
-            known = self._known.get(target, [])
-            why = f"{type(exc).__name__}: {exc}"
-            if self._failing.get(target) != why:  # once per new reason, not every round
-                log.warning("%s target %s does not resolve (%s); keeping its last %d "
-                            "workers", role, target.text, why, len(known))
-            self._failing[target] = why
-            return known
-        if self._failing.pop(target, None) is not None:
-            log.info("%s target %s resolves again: %d workers", role, target.text,
-                     len(addresses))
-        self._known[target] = addresses
-        return addresses
 
     def start(self) -> None:
         """Static targets become members now; DNS targets on a background thread, the first

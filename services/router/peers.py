@@ -31,7 +31,7 @@ import grpc
 from pdserve.common.security import AUTH_HEADER, ChannelSecurity, first_api_key, open_channel
 from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.calls import ON_THREAD, on_thread, reply
-from pdserve.router.targets import Resolver, Target, system_resolver
+from pdserve.router.targets import Lookups, Resolver, Target, system_resolver
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("pdserve.router.peers")
@@ -53,13 +53,12 @@ class PeerPlacements:
         self._targets = tuple(targets)
         self._security = security
         self._api_key_file = api_key_file  # the peers ask for a key as the public API does
-        self._resolve = resolve
+        self._lookups = Lookups(resolve)  # a failing name keeps its last answer
         self._interval_s = interval_s
         self._lock = threading.Lock()
         self._pending: list[router_pb2.PlacedPages] = []
         self._calls: dict[str, tuple[grpc.Channel, grpc.UnaryStreamMultiCallable]] = {}
         self._itself: set[str] = set()
-        self._failing: dict[str, str] = {}  # peer targets that do not resolve: why
         self._addresses: list[str] = []
         self._resolved_at = -RESOLVE_S
         self._stop = threading.Event()
@@ -151,16 +150,8 @@ class PeerPlacements:
     def _lookup(self) -> list[str]:
         addresses: list[str] = []
         for target in self._targets:
-            if not target.dns:
-                addresses.append(target.address)
-                continue
-            try:
-                addresses += self._resolve(target.host, target.port)
-                self._failing.pop(target.text, None)
-            except OSError as exc:  # the rest are used; looked up again in RESOLVE_S
-                if self._failing.get(target.text) != str(exc):  # once per new reason
-                    log.warning("peer target %s does not resolve: %s", target.text, exc)
-                self._failing[target.text] = str(exc)
+            addresses += (self._lookups.lookup(target, "peer", "routers") if target.dns
+                          else [target.address])
         return list(dict.fromkeys(addresses))
 
 

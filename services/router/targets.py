@@ -15,9 +15,12 @@ for one server (`localhost`) counts as two workers, as gRPC's own round robin wo
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger("pdserve.router.discovery")
 
 DNS_SCHEME = "dns:"
 FORMS = "host:port or dns:///NAME:PORT"
@@ -88,3 +91,37 @@ def system_resolver(name: str, port: int) -> list[str]:
     addresses = (format_address(str(info[4][0]), port) for info in infos
                  if info[0] in (socket.AF_INET, socket.AF_INET6))
     return list(dict.fromkeys(addresses))
+
+
+class Lookups:
+    """DNS targets looked up round after round. A lookup that fails (or finds no address)
+    keeps the target's last good answer: logged once per new reason, counted in `failures`,
+    never fatal (a DNS outage must not empty a pool that is serving)."""
+
+    def __init__(self, resolve: Resolver = system_resolver):
+        self._resolve = resolve
+        self._known: dict[Target, list[str]] = {}  # last good answer per target
+        self._failing: dict[Target, str] = {}  # targets whose last lookup failed: why
+        self.failures = 0  # lookups that failed, since start
+
+    def lookup(self, target: Target, kind: str, noun: str = "workers") -> list[str]:
+        """The addresses of DNS `target` now (or as last known); `kind` and `noun` name
+        them in the log ("prefill" target ... 3 "workers")."""
+        try:
+            addresses = self._resolve(target.host, target.port)
+            if not addresses:
+                raise OSError("no address records")
+        except OSError as exc:
+            self.failures += 1
+            known = self._known.get(target, [])
+            why = f"{type(exc).__name__}: {exc}"
+            if self._failing.get(target) != why:  # once per new reason, not every round
+                log.warning("%s target %s does not resolve (%s); keeping its last %d %s",
+                            kind, target.text, why, len(known), noun)
+            self._failing[target] = why
+            return known
+        if self._failing.pop(target, None) is not None:
+            log.info("%s target %s resolves again: %d %s", kind, target.text, len(addresses),
+                     noun)
+        self._known[target] = addresses
+        return addresses
