@@ -182,10 +182,12 @@ class CacheFeeds:
 
     def speculate(self, address: str, prompt_ids: Sequence[int]) -> None:
         """This router placed the prompt on `address` (and tells its peers, `on_placed`)."""
-        keys = self.prompt_keys(address, prompt_ids)
-        self.index.speculate(address, keys)
         layout = self._layout.get(address)
-        if keys and layout is not None and self.on_placed is not None:
+        if layout is None:  # not read yet: nothing it could match
+            return
+        keys = self._keys(layout, prompt_ids)
+        self.index.speculate(address, keys)
+        if keys and self.on_placed is not None:
             self.on_placed(address, layout, keys)
 
     def peer_placed(self, address: str, layout: tuple[int, int], keys: Sequence[int]) -> None:

@@ -34,6 +34,13 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     return {name: render(K8S / "overlays" / name) for name in OVERLAYS}
 
 
+def _service_target(target: str, what: str) -> tuple[str, str, int]:
+    """A dns:/// target naming a Service in the cluster: its name, namespace and port."""
+    match = re.fullmatch(r"dns:///([^.:]+)\.([^.:]+)\.svc\.cluster\.local:(\d+)", target)
+    assert match, f"{what} {target!r} is not a dns:/// target"
+    return match[1], match[2], int(match[3])
+
+
 def test_router_discovers_each_pool_through_its_headless_service(rendered):
     for overlay, objects in rendered.items():
         found = by_command(objects)
@@ -42,10 +49,7 @@ def test_router_discovers_each_pool_through_its_headless_service(rendered):
             cfg = effective_config(router)
             for role in ("prefill", "decode"):
                 (target,) = getattr(cfg, role)
-                match = re.fullmatch(r"dns:///([^.:]+)\.([^.:]+)\.svc\.cluster\.local:(\d+)",
-                                     target)
-                assert match, f"{overlay}: router --{role} {target!r} is not a dns:/// target"
-                name, namespace, port = match[1], match[2], int(match[3])
+                name, namespace, port = _service_target(target, f"{overlay}: router --{role}")
                 assert namespace == NAMESPACE and name in services, f"{overlay}: {target}"
                 assert services[name]["spec"].get("clusterIP") == "None", target
                 worker_ports = {effective_config(w).port for w in found[role]}
@@ -59,12 +63,12 @@ def test_routers_find_their_peers_through_their_headless_service(rendered):
         for router in found["router"]:
             cfg = effective_config(router)
             (target,) = cfg.peers
-            match = re.fullmatch(r"dns:///([^.:]+)\.([^.:]+)\.svc\.cluster\.local:(\d+)", target)
-            assert match and match[2] == NAMESPACE, f"{overlay}: router --peers {target!r}"
-            service = services[match[1]]
+            name, namespace, port = _service_target(target, f"{overlay}: router --peers")
+            assert namespace == NAMESPACE, f"{overlay}: router --peers {target!r}"
+            service = services[name]
             assert service["spec"].get("clusterIP") == "None", target
             assert service["spec"]["selector"]["app.kubernetes.io/component"] == "router"
-            assert int(match[3]) == cfg.port, f"{overlay}: {target} vs the router's {cfg.port}"
+            assert port == cfg.port, f"{overlay}: {target} vs the router's {cfg.port}"
 
 
 def test_each_worker_uses_its_pods_agent_and_both_advertise_the_pod_ip(rendered):
