@@ -33,8 +33,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(cache_dir: Path) -> Path:
-    from pdserve.engine import builtin
+    from pdserve.engine import builtin, kernels
 
+    # The attention kernel's first-use build (~18 s on a Zen 3) here, once, not inside the
+    # first test whose forward pass waits on it with a timeout; later processes find it built.
+    kernels.library()
     return builtin.ensure("tiny", cache_dir=cache_dir)
 
 
