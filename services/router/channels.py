@@ -17,6 +17,11 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted worker is seen again quickly
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # The router retries on another worker itself (attempts.py): grpc's retry machinery would
+    # only copy every call's messages for a replay it never makes.
+    ("grpc.enable_retries", 0),
+    # Small messages: no bandwidth-delay pings to grow flow-control windows.
+    ("grpc.http2.bdp_probe", 0),
 )
 
 

@@ -89,3 +89,13 @@ def test_a_scrape_whose_own_allocations_start_collections_does_not_hang():
     worker.start()
     worker.join(timeout=30)
     assert done == [True]
+
+
+def test_a_young_threshold_given_at_freeze_is_the_collectors_and_the_older_ones_stay():
+    before = gc.get_threshold()
+    try:
+        freeze_startup_heap("test", young_threshold=20_000)
+        assert gc.get_threshold() == (20_000, *before[1:])
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
