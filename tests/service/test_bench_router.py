@@ -56,8 +56,12 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     # dead workers were streaming may fail.
     assert v["failed"] <= v["in_flight_lost"] + 2, v["errors"]
     assert "router-added ms" in run.stdout and "workers used        140 of 140" in run.stdout
-    gc_ = r["router_gc"]  # from the router's /metrics, over the window
-    assert set(gc_) == {"0", "1", "2"} and gc_["0"]["collections"] > 0 and gc_["0"]["ms"] > 0
+    # from the router's /metrics, over the window: the router collects rarely (a young
+    # threshold of 20,000), so a few seconds may see none; a count and its time go together
+    gc_ = r["router_gc"]
+    assert set(gc_) == {"0", "1", "2"}
+    assert all(g["collections"] >= 0 and (g["ms"] > 0) == (g["collections"] > 0)
+               for g in gc_.values()), gc_
     assert "router GC pauses    gen 2 " in run.stdout
     # 140 workers: past the streams' limit, their caches come with their Stats reads; those
     # alive at the end are known, with the pages of the prompts they computed or hold
