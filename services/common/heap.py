@@ -38,9 +38,9 @@ def freeze_startup_heap(service: str = "", young_threshold: int = 0) -> int:
     many objects are frozen. Call once start-up is done (model, tokenizer, pools built).
 
     `young_threshold` > 0: a young collection only after that many more allocations than
-    deallocations of tracked objects (Python's default: 700). A service whose requests make
-    and drop many small objects in every call, the router, otherwise walks each request's
-    live objects several times over (`gc.set_threshold`, the older generations as before)."""
+    deallocations of tracked objects (Python's default: 700; the older generations' stay).
+    For a service whose requests make and drop many small objects (the router): with 700 it
+    walks each request's live objects many times over while they are still in use."""
     start = time.perf_counter()
     gc.collect()
     gc.freeze()

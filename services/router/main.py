@@ -44,7 +44,7 @@ log = logging.getLogger("pdserve.router")
 
 BUILTIN_TIMEOUT_S = 900.0
 # Young collections after 20,000 net allocations, not 700: a request's objects die with it
-# (reference counts), and at 150 req/s the default walked them ~25 times a second for nothing.
+# (reference counts), and at 150 req/s the default walked them 15-20 times a second for nothing.
 GC_YOUNG_THRESHOLD = 20_000
 
 
