@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pdserve.common.native import kernels_dir
+from pdserve.common.native import compile_objects, kernels_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "router_floor.cc"
 HEALTH = SOURCE.with_name("health.proto")  # grpc.health.v1 Check, served on the same queue
@@ -64,12 +64,20 @@ def binary() -> Path:
         for root, files in ((proto_root(), _protos()), (HEALTH.parent, [HEALTH])):
             _run([protoc, f"-I{root}", f"--cpp_out={out}", f"--grpc_out={out}",
                   f"--plugin=protoc-gen-grpc={plugin}", *map(str, files)])
-        flags = _run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf",
-                      "absl_synchronization"]).split()
-        generated = sorted(str(p) for p in out.rglob("*.cc"))
+        packages = ["grpc++", "protobuf", "absl_synchronization"]
+        cflags = ["-O2", "-std=c++17", f"-I{out}",
+                  *_run(["pkg-config", "--cflags", *packages]).split()]
+        units = [(source, cflags) for source in [SOURCE, *sorted(out.rglob("*.cc"))]]
+        try:  # the generated stubs are most of a ~40 s build: compiled side by side
+            objects = compile_objects(cxx, units, out)
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"native floor: {Path(cxx).name} failed: "
+                               f"{(exc.stderr or exc.stdout).strip()[-2000:]} ({NEEDS})") from None
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"native floor: {Path(cxx).name}: {exc}") from None
         built = out / "router_floor"
-        _run([cxx, "-O2", "-std=c++17", f"-I{out}", str(SOURCE), *generated, "-o", str(built),
-              *flags])
+        _run([cxx, *map(str, objects), "-o", str(built),
+              *_run(["pkg-config", "--libs", *packages]).split()])
         os.chmod(built, 0o755)
         os.replace(built, target)  # atomic: a concurrent build of the same target is harmless
     return target
