@@ -298,7 +298,7 @@ def demo_security(cfg: UpConfig) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(UpConfig, "up", argv, prog="pdserve up", description=__doc__)
     from pdserve.common.models import resolve_model_name
-    from pdserve.engine.setup import model_dir as ensure_model_dir
+    from pdserve.engine.builtin import model_dir as ensure_model_dir
 
     try:
         ref = resolve_model_name(cfg.model)

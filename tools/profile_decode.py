@@ -35,11 +35,11 @@ def main() -> None:
     from pdserve.bench.engine_run import random_prompts
     from pdserve.common.layout import pages_for_tokens
     from pdserve.common.models import resolve_model_name
+    from pdserve.engine.builtin import model_dir
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.model import load_model
     from pdserve.engine.sampling import SamplingParams
-    from pdserve.engine.setup import model_dir
 
     ref = resolve_model_name(args.model)
     model = load_model(model_dir(ref), dtype="float32", model_id=ref.name)

@@ -56,10 +56,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     from pdserve.bench.engine_run import random_prompts
+    from pdserve.engine.builtin import model_dir
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.sampling import SamplingParams
-    from pdserve.engine.setup import load_model, model_dir, resolve_model_name
+    from pdserve.engine.setup import load_model, resolve_model_name
 
     lengths = [int(t) for t in args.tokens.split(",")]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

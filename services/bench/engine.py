@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds=args.rounds, cpus=cpus, vllm_python=args.vllm_python, dtype=args.dtype,
             json_path=args.json)
     from pdserve.common.models import resolve_model_name
-    from pdserve.engine.setup import model_dir as ensure_model_dir
+    from pdserve.engine.builtin import model_dir as ensure_model_dir
     from transformers import AutoModelForCausalLM
 
     ref = resolve_model_name(args.model)

@@ -171,8 +171,8 @@ def main(models: list[str], levels: list[int], *, prompt_tokens: int, output_tok
          rounds: int, cpus: list[int], vllm_python: Path, dtype: str,
          json_path: Path | None) -> int:
     from pdserve.common.models import resolve_model_name
+    from pdserve.engine.builtin import model_dir as ensure_model_dir
     from pdserve.engine.model import load_model
-    from pdserve.engine.setup import model_dir as ensure_model_dir
 
     dtype = "float32" if dtype == "auto" else dtype
     if dtype not in ("float32", "bfloat16"):

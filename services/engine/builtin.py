@@ -113,6 +113,17 @@ def ensure(size: str = "tiny", *, cache_dir: Path | None = None,
     return path
 
 
+def model_dir(ref: models.ModelRef, progress: Progress | None = None) -> Path:
+    """The directory of a resolved model, creating a built-in one on first use. Imports no
+    torch for a local directory or a built-in one already made (`pdserve up` spawns its
+    processes sooner)."""
+    if ref.builtin_size:
+        report = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+        return ensure(ref.builtin_size, progress=report)
+    assert ref.path is not None
+    return ref.path
+
+
 def create(size: str, out_dir: Path, *, progress: Progress | None = None) -> Path:
     """Write a built-in model into `out_dir` (which must not exist or be empty) and return it.
 

@@ -6,13 +6,12 @@ import dataclasses
 import json
 import logging
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.common.cpus import format_cpu_list
-from pdserve.common.models import ModelRef, resolve_model_name
-from pdserve.engine import builtin, kernels
+from pdserve.common.models import resolve_model_name
+from pdserve.engine import kernels
+from pdserve.engine.builtin import model_dir
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.model import (
@@ -28,15 +27,6 @@ from pdserve.engine.tp import Group, Ranks, RankSpec, split_cores
 from pdserve.engine.tp_shard import ShardingError, check_divisible
 
 log = logging.getLogger("pdserve.engine")
-
-
-def model_dir(ref: ModelRef, progress: Callable[[str], None] | None = None) -> Path:
-    """The directory of a resolved model, creating a built-in one on first use."""
-    if ref.builtin_size:
-        report = progress or (lambda m: print(m, file=sys.stderr, flush=True))
-        return builtin.ensure(ref.builtin_size, progress=report)
-    assert ref.path is not None
-    return ref.path
 
 
 def eos_token_ids(model_dir: Path) -> list[int]:

@@ -34,7 +34,7 @@ def netns_stack(path: str, index: int, model: str, chunk_size: int, log_dir: str
     """The two-host stack for `path` (NETNS_PATHS); yields the router's address (in namespace a,
     where this process runs). Every process is stopped on exit, whatever happened."""
     from pdserve.common.models import resolve_model_name
-    from pdserve.engine.setup import model_dir
+    from pdserve.engine.builtin import model_dir
 
     base = BASE_PORT + 100 * index
     agent_port, prefill_port, decode_port, router_port = base, base + 10, base + 20, base + 30
