@@ -23,7 +23,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2, router_pb2_grpc
 
-from tests.service.stack import collect, pdserve_stack
+from tests.service.stack import collect, pdserve_stack, pdserve_stacks
 from tests.support import free_port, pdserve_argv, running, wait_for
 
 pytestmark = pytest.mark.service
@@ -290,18 +290,29 @@ def test_the_colocated_worker_is_traced_under_its_own_name(receiver, tiny_model_
     assert not [x for x in mine if x.name.startswith("kv.")]  # no handoff between agents
 
 
-@pytest.mark.parametrize("p,d", [(2, 1), (1, 2)])
-def test_a_handoff_between_tp_splits_shows_each_rank_pair(receiver, tiny_model_dir, p, d):
+TP_SPLITS = [(2, 1), (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def tp_stacks(receiver, tiny_model_dir):
+    """{(P, D): stack} for each split, started side by side (their start-ups overlap)."""
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with pdserve_stacks(*(("--otlp-endpoint", f"127.0.0.1:{receiver.port}", "--prefill-tp",
+                           str(p), "--decode-tp", str(d)) for p, d in TP_SPLITS),
+                        env=env) as running:
+        yield dict(zip(TP_SPLITS, running, strict=True))
+
+
+@pytest.mark.parametrize("p,d", TP_SPLITS)
+def test_a_handoff_between_tp_splits_shows_each_rank_pair(receiver, tp_stacks, p, d):
     """Prefill TP P -> decode TP D on one host: a kv.rank_handoff span per decode rank under
     prefill.request names where that rank's heads came from and how (re-laid out in the
     receiving agent's copy, nothing packed); together they carry the handoff's bytes."""
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
-    with pdserve_stack("--otlp-endpoint", f"127.0.0.1:{receiver.port}", "--prefill-tp", str(p),
-                       "--decode-tp", str(d), env=env) as s:
-        rid = "trace-tp-" + secrets.token_hex(4)
-        _, _, timing, _ = collect(s.generate(request_id=rid, prompt="def fibonacci(n):",
-                                             max_tokens=4, temperature=0.0, ignore_eos=True))
-        spans = _trace_of(receiver, rid)
+    rid = "trace-tp-" + secrets.token_hex(4)
+    _, _, timing, _ = collect(tp_stacks[p, d].generate(
+        request_id=rid, prompt="def fibonacci(n):", max_tokens=4, temperature=0.0,
+        ignore_eos=True))
+    spans = _trace_of(receiver, rid)
     by_id = {sp.span_id: sp for sp in spans}
     ranks = sorted((sp for sp in spans if sp.name == "kv.rank_handoff"),
                    key=lambda sp: sp.attributes["decode_rank"])
