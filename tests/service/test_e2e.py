@@ -16,7 +16,7 @@ import pytest
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from tests.conftest import MAX_TOKENS, PROMPTS
-from tests.service.stack import collect, pdserve_stack
+from tests.service.stack import collect, pdserve_stacks
 from tests.support import wait_for
 
 pytestmark = pytest.mark.service
@@ -34,13 +34,23 @@ WORKER_ENV = {
 }
 
 
-@pytest.fixture(scope="module", params=["shm", "ucx", "tcp"])
-def stack(request, tiny_model_dir):
-    flags = () if request.param == "shm" else (
-        "--transport", request.param, "--no-same-host-copy")
-    with pdserve_stack(*flags, env=WORKER_ENV) as s:
-        s.transport = request.param
-        yield s
+TRANSPORTS = ["shm", "ucx", "tcp"]
+
+
+@pytest.fixture(scope="module")
+def stacks(tiny_model_dir):
+    """{transport: stack}, the three started side by side (their start-ups overlap)."""
+    flags = {t: () if t == "shm" else ("--transport", t, "--no-same-host-copy")
+             for t in TRANSPORTS}
+    with pdserve_stacks(*flags.values(), env=WORKER_ENV) as running:
+        for transport, s in zip(TRANSPORTS, running, strict=True):
+            s.transport = transport
+        yield dict(zip(TRANSPORTS, running, strict=True))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def stack(request, stacks):
+    return stacks[request.param]
 
 
 def _greedy(stack, prompt: str):
