@@ -54,8 +54,11 @@ class FaultStack:
     def __init__(self, model_dir: Path, *, transport: str = "tcp", prefill: int = 1,
                  decode: int = 1, num_pages: int = 64, router_args: tuple[str, ...] = (),
                  prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
-                 agent_args: tuple[str, ...] = ()):
+                 agent_args: tuple[str, ...] = (),
+                 node_args: dict[str, tuple[str, ...]] | None = None):
+        """`node_args`: more flags for one node by name (`prefill-0`), after its role's."""
         py = [sys.executable, "-m"]
+        extra = node_args or {}
         common = ["--metrics-port", "-1", "--grace-s", "2", "--log-level", "INFO"]
         # A small pool serves a context it holds (--max-model-len): checked at start.
         worker = ["--model", "tiny", "--num-pages", str(num_pages),
@@ -73,12 +76,12 @@ class FaultStack:
             port = free_port()
             self._add(f"decode-{i}", f"127.0.0.1:{port}", [
                 *py, "pdserve.decode.main", "--port", str(port), "--kv-agent", agents["b"],
-                *worker, *decode_args])
+                *worker, *decode_args, *extra.get(f"decode-{i}", ())])
         for i in range(prefill):
             port = free_port()
             self._add(f"prefill-{i}", f"127.0.0.1:{port}", [
                 *py, "pdserve.prefill.main", "--port", str(port), "--kv-agent", agents["a"],
-                *worker, *prefill_args])
+                *worker, *prefill_args, *extra.get(f"prefill-{i}", ())])
         port, http_port = free_port(), free_port()
         self.http = f"127.0.0.1:{http_port}"  # the router's OpenAI-compatible HTTP API
         self._add("router", f"127.0.0.1:{port}", [

@@ -1,8 +1,9 @@
 """kill -9 of one tensor-parallel rank: the whole worker fails cleanly, the router routes around
 it, nothing else is lost (a row of the fault matrix per role).
 
-A stack of its own: two prefill and two decode workers, every one of TP size 2 (rank 0 the
-worker process, rank 1 a process it started), TCP between the agents. With two streams in
+A stack of its own: two prefill and two decode workers, prefill-0 and decode-0 of TP size 2
+(rank 0 the worker process, rank 1 a process it started), the others of TP 1 (so handoffs
+also change TP on the way), TCP between the agents. With two streams in
 flight, rank 1 of prefill-0 is killed with SIGKILL: prefill-0 must notice at once (not hang its
 rank 0 in a collective), stop serving and exit with status 1 naming the rank; every stream ends
 exact or with a named status; requests go on exact through prefill-1; the decode side's pages
@@ -33,7 +34,7 @@ PROMPT = PROMPTS[3]
 @pytest.fixture(scope="module")
 def tp_stack(tiny_model_dir):
     fs = FaultStack(tiny_model_dir, transport="tcp", prefill=2, decode=2, num_pages=64,
-                    prefill_args=("--tp", "2"), decode_args=("--tp", "2"))
+                    node_args={"prefill-0": ("--tp", "2"), "decode-0": ("--tp", "2")})
     try:
         fs.start()
         yield fs
