@@ -55,7 +55,8 @@ class PagedAttention:
         self._plan_for: Any = None
         self._last_plan: _Plan | None = None
         self.prefill_kernel = (head_dim in kernels.PREFILL_HEAD_DIMS
-                               and num_heads // num_kv_heads <= kernels.PREFILL_MAX_GROUP)
+                               and num_heads // num_kv_heads <= kernels.PREFILL_MAX_GROUP
+                               and kernels.prefill_kernel_suits_cpu())
 
     def native(self, kv: torch.Tensor) -> ctypes.CDLL | None:
         if kv.device.type != "cpu" or kv.dtype not in kernels.KV_DTYPES:

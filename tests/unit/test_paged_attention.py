@@ -26,6 +26,25 @@ def lib(cache_dir):
     return found
 
 
+@pytest.fixture(autouse=True)
+def prefill_kernel_on(monkeypatch):
+    """The prefill kernel is checked on every machine, also where prompts take SDPA for speed
+    (no AVX-512: test_the_prefill_kernel_is_chosen_where_it_is_fast)."""
+    monkeypatch.setenv("PDSERVE_PREFILL_KERNEL", "1")
+
+
+def test_the_prefill_kernel_is_chosen_where_it_is_fast(monkeypatch):
+    monkeypatch.delenv("PDSERVE_PREFILL_KERNEL")
+    for flags, chosen in (("flags : fpu avx2 fma avx512f avx512bw", True),
+                          ("flags : fpu avx2 fma", False)):
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda f=flags: f)
+        assert kernels.prefill_kernel_suits_cpu() is chosen
+        assert PagedAttention(8, 2, 32, 32 ** -0.5, None).prefill_kernel is chosen
+    for forced in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_PREFILL_KERNEL", forced)
+        assert kernels.prefill_kernel_suits_cpu() is (forced == "1")
+
+
 def _reference(q: torch.Tensor, layer_kv: torch.Tensor, seqs: list[tuple[int, int, list[int]]],
                num_kv_heads: int, window: int | None) -> torch.Tensor:
     """Plain softmax(q k^T) v per sequence, keys read page by page."""
