@@ -8,6 +8,7 @@ the attention kernel; common/fastcopy.py: the KV copy).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -29,8 +30,10 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The `flags` line of /proc/cpuinfo ("" where there is none)."""
+    """The `flags` line of /proc/cpuinfo ("" where there is none); read once per process (each
+    attention layer asks whether its prompts take the prefill kernel)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -60,13 +63,13 @@ def compile_objects(compiler: str, units: Sequence[tuple[Path, Sequence[str]]],
     return objects
 
 
-def build_shared(compiler: str, source: Unit | Sequence[Unit], target: Path,
+def build_shared(compiler: str, source: Path | Sequence[Unit], target: Path,
                  flags: Sequence[str], libs: Sequence[str] = ()) -> None:
-    """Compile `source` (one C file or several; a file given as (path, flags) gets those flags
-    too, so one file can be built as several objects) into the shared object `target`, each
-    unit its own object, compiled side by side; atomically: a concurrent build of the same
+    """Compile `source` (one C file, or several units: a file given as (path, flags) gets those
+    flags too, so one file can be built as several objects) into the shared object `target`,
+    each unit its own object, compiled side by side; atomically: a concurrent build of the same
     target by another process is harmless."""
-    given = [source] if isinstance(source, (Path, tuple)) else list(source)
+    given = [source] if isinstance(source, Path) else list(source)
     units = [(u, ()) if isinstance(u, Path) else u for u in given]
     compile_flags = [f for f in flags if f != "-shared"]
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ float32 or bfloat16, queries and outputs in float32).
 `csrc/paged_attention.c` (rows with few new tokens: decode), `csrc/prefill_attention.c`
 (prompt chunks, flash-style causal attention) and `csrc/rope_store.c` (rotary embedding and
 the K/V store into pages, one pass) are plain C (no torch headers), built into one library
-by the system C compiler on first use (its objects side by side: ~8 s on 2 cores of a Zen 3);
+by the system C compiler on first use (its objects side by side: ~10 s on 2 cores of a Zen 3);
 the library is cached under the pdserve cache directory, keyed by the sources, the compiler
 and the CPU's flags, and loaded with ctypes. It runs its OpenMP loops on torch's own OpenMP
 runtime (same `libgomp.so.1`, already loaded by torch), so kernels and GEMMs share one thread
@@ -146,9 +146,9 @@ def library() -> ctypes.CDLL | None:
 def prefill_kernel_suits_cpu() -> bool:
     """Whether prompts take the prefill kernel here. It is written in 16-float vectors, one
     register on AVX-512; without AVX-512 GCC (12) lowers its shuffles, compares and maxima
-    lane by lane, and a 1,024-token prompt of bench-7m took 4x as long as gathering its pages
-    for SDPA on a Zen 3 (490 against 117 ms). So there prompts take SDPA; the decode kernel
-    holds its own (a 16-sequence step 9.9 ms against 10.1). `PDSERVE_PREFILL_KERNEL` 1 or 0
+    lane by lane, and a 1,024-token prompt of bench-7m took 5.6x as long as gathering its pages
+    for SDPA on a Zen 3 (497 against 88 ms). So there prompts take SDPA; the decode kernel
+    holds its own (a 32-sequence step 14.1 ms against 14.0). `PDSERVE_PREFILL_KERNEL` 1 or 0
     overrides."""
     forced = os.environ.get("PDSERVE_PREFILL_KERNEL", "")
     if forced in ("0", "1"):

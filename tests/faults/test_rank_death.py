@@ -3,10 +3,10 @@ it, nothing else is lost (a row of the fault matrix per role).
 
 A stack of its own: two prefill and two decode workers, prefill-0 and decode-0 of TP size 2
 (rank 0 the worker process, rank 1 a process it started), the others of TP 1 (so handoffs
-also change TP on the way), TCP between the agents. With two streams in
-flight, rank 1 of prefill-0 is killed with SIGKILL: prefill-0 must notice at once (not hang its
-rank 0 in a collective), stop serving and exit with status 1 naming the rank; every stream ends
-exact or with a named status; requests go on exact through prefill-1; the decode side's pages
+also change TP on the way), TCP between the agents. With two streams in flight, rank 1 of
+prefill-0 is killed with SIGKILL: prefill-0 must notice at once (not hang its rank 0 in a
+collective), stop serving and exit with status 1 naming the rank; every stream ends exact or
+with a named status; requests go on exact through prefill-1; the decode side's pages
 all come back. Then the same for decode-0's rank 1 (its reservations released, streams served
 by decode-1). No process or segment of the stack is left at the end.
 """
