@@ -74,6 +74,7 @@ class SequenceStream:
         self._call: Any = None  # a Decode call of its own, once delegated and reached
         self._delegated: Any = None  # that call, as soon as it is made
         self._over = False
+        self._held: Any = None  # an item `take_ready` took out but left for `next`
 
     def put(self, item: decode_pb2.SequenceUpdate | BaseException | object, *,
             inline: bool = False) -> None:
@@ -91,7 +92,24 @@ class SequenceStream:
 
     def ready(self) -> bool:
         """`next` would not wait on the shared stream (an item is there, or it ended)."""
-        return self._over or self._call is not None or not self._items.empty()
+        return self._over or self._call is not None or self._held is not None \
+            or not self._items.empty()
+
+    def take_ready(self) -> decode_pb2.DecodeResponse | None:
+        """The next message if it has arrived on the shared stream, without waiting; None
+        when nothing has, or what came is for `next` to raise or end with (left there)."""
+        if self._over or self._call is not None or self._held is not None:
+            return None
+        try:
+            item = self._items.get_nowait()
+        except queue.Empty:
+            return None
+        if item is _DELEGATED or isinstance(item, BaseException) or (
+                item.last and (item.error_code or not item.HasField("message"))):
+            self._held = item
+            return None
+        self._over = item.last
+        return item.message  # type: ignore[no-any-return]
 
     def park(self, resume: Callable[[bool], None]) -> bool:
         """Instead of blocking in `next`: have `resume(inline)` called once an item arrives
@@ -111,7 +129,9 @@ class SequenceStream:
             return next(self._call)  # type: ignore[no-any-return]
         if self._over:
             raise StopIteration
-        item = self._items.get()
+        item, self._held = self._held, None
+        if item is None:
+            item = self._items.get()
         if item is _DELEGATED:
             self._call = self._delegated
             return next(self._call)  # type: ignore[no-any-return]

@@ -60,16 +60,30 @@ class DecodeStream:
 
     def messages(self, parking: bool = False) -> Iterator[decode_pb2.DecodeResponse | Parked]:
         """The messages; with `parking`, `Parked` before each one that has not arrived yet on
-        a shared stream (instead of blocking)."""
+        a shared stream (instead of blocking). On a shared stream the messages that arrived
+        behind one while the relay was busy come merged into it: a relay that falls behind
+        sends one message for all that piled up, so its cost per token falls as load grows
+        instead of its queue growing."""
         yield self.first
         call = self.call
-        if not (parking and isinstance(call, SequenceStream)):
+        if not isinstance(call, SequenceStream):
             yield from call
             return
         while True:
-            if not call.ready():
+            if parking and not call.ready():
                 yield Parked(call)
             try:
-                yield next(call)
+                message = next(call)
             except StopIteration:
                 return
+            yield _merge_ready(call, message)
+
+
+def _merge_ready(call: SequenceStream, message: decode_pb2.DecodeResponse
+                 ) -> decode_pb2.DecodeResponse:
+    """`message` with the tokens of those that arrived behind it appended (the relay fell
+    behind the worker: one message out instead of several)."""
+    while not message.finish_reason and (more := call.take_ready()) is not None:
+        message.token_ids.extend(more.token_ids)
+        message.finish_reason = more.finish_reason
+    return message

@@ -2,7 +2,8 @@
 sharing one stream get exactly the tokens transformers gives, in fewer messages than a Decode
 call each would send; a bad start fails alone with its Decode call's status; cancelling one
 sequence, and closing the stream, free the pages; the router runs its sequences on one
-shared stream per worker, and on a call each with --no-shared-decode-stream."""
+shared stream per worker, and on a call each with --no-shared-decode-stream; a router relay
+that fell behind sends the tokens that piled up as one message."""
 
 from __future__ import annotations
 
@@ -40,8 +41,15 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir):
-    with pdserve_stack() as s:
+def pause(tmp_path_factory):
+    return tmp_path_factory.mktemp("failpoints") / "relay"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, pause):
+    # The router holds a request named behind-* before relaying each decode message until
+    # `relay.go` exists: what the worker streams meanwhile piles up in the router.
+    with pdserve_stack(env={"PDSERVE_FAILPOINTS": f"router.decoding@behind-=pause:{pause}"}) as s:
         yield s
 
 
@@ -219,3 +227,30 @@ def test_the_router_runs_its_sequences_on_one_shared_stream(stack, hf, tiny_mode
     assert [t for e in events for t in getattr(e, "token_ids", ())] == _reference(hf, prompts[0])
     assert isinstance(events[-1], Finish) and events[-1].finish_reason == "length"
     assert starts() == (before[0] + 3, before[1] + 1)
+
+
+def test_a_relay_that_fell_behind_sends_what_piled_up_as_one_message(stack, hf, pause):
+    from pdserve.v1 import router_pb2, router_pb2_grpc
+
+    prompt = _tokens(60, 24)
+    with grpc.insecure_channel(stack.router) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
+            request_id="behind-1", token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+            ignore_eos=True), timeout=120)
+        responses: list = []
+        reader = threading.Thread(target=lambda: responses.extend(call), daemon=True)
+        reader.start()
+        hit = pause.with_name("relay.hit")
+        assert wait_for(hit.exists, timeout_s=60), "the router never reached its relay"
+        # The worker finishes the sequence while the router's relay waits.
+        assert wait_for(lambda: stack.decode_stats().running_sequences == 0, timeout_s=60)
+        pause.with_name("relay.go").touch()
+        reader.join(timeout=60)
+    assert not reader.is_alive()
+    ids, text, _, finish = collect(responses)
+    assert ids == _reference(hf, prompt) and finish.completion_tokens == MAX_TOKENS
+    deltas = [r.delta for r in responses if r.WhichOneof("kind") == "delta"]
+    # The first token went out before the pause; the eleven behind it in one or two messages
+    # (the last may reach the router after the worker's Stats said it was done), not eleven.
+    assert len(deltas) <= 3, [list(d.token_ids) for d in deltas]
+    assert "".join(d.text for d in deltas) == text
