@@ -31,7 +31,7 @@ from pdserve.common.layout import pages_for_tokens
 DEFAULT_BLOCK_SIZE = 16
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen one costs 5x to build, per worker per request
 class PrefillLoad:
     """A prefill worker as the router sees it."""
 
@@ -49,7 +49,7 @@ class PrefillLoad:
         return max(self.queued_prompt_tokens, self.inflight_prompt_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeLoad:
     """A decode worker as the router sees it (`free_pages` None: no Stats yet)."""
 
@@ -83,7 +83,7 @@ class Weights:
 DEFAULT_WEIGHTS = Weights()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     """One worker in a placement's explanation."""
 
@@ -121,16 +121,18 @@ def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
     """Healthy prefill workers, cheapest first: the prompt tokens each would compute (its
     cache's leading pages excluded) plus the prompt tokens already pending on it."""
     cached_pages = cached_pages or {}
+    cache_weight = weights.cache_weight
     rows = []
     for w in workers:
         if not w.healthy:
             continue
-        cached = cached_pages.get(w.address, 0) * w.block_size
-        cost = weights.cache_weight * max(0, num_prompt_tokens - cached) + w.pending_tokens
-        rows.append((w.address in avoid, cost, w.placed, w.address,
-                     Candidate(w.address, cached, w.pending_tokens, cost,
-                               "retry" if w.address in avoid else "")))
-    rows.sort(key=lambda r: r[:4])
+        address, pending = w.address, w.pending_tokens
+        cached = cached_pages.get(address, 0) * w.block_size
+        cost = cache_weight * max(0, num_prompt_tokens - cached) + pending
+        retry = address in avoid
+        rows.append((retry, cost, w.placed, address,
+                     Candidate(address, cached, pending, cost, "retry" if retry else "")))
+    rows.sort(key=_first4)
     return _placement(rows)
 
 
@@ -141,25 +143,43 @@ def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
     Stats showed too little room still come (last): the Stats may be stale, and Reserve gives
     the real answer."""
     cached_pages = cached_pages or {}
-    healthy = [w for w in workers if w.healthy]
-    need = {w.address: pages_for_tokens(num_prompt_tokens, w.block_size)
-            - cached_pages.get(w.address, 0) for w in healthy}
-    fits = {w.address: w.free_pages is None or w.free_pages >= need[w.address] for w in healthy}
-    roomy = [w.sequences for w in healthy if fits[w.address] and w.address not in avoid]
-    busy_line = min(roomy) * weights.max_imbalance + weights.imbalance_slack if roomy else 0
+    # Each worker's figures once (this runs per request over the sample of a large pool).
+    figures = []  # (worker, cached pages, sequences, fits)
+    least: int | None = None  # the fewest sequences of a roomy worker not avoided
+    for w in workers:
+        if not w.healthy:
+            continue
+        pages = cached_pages.get(w.address, 0)
+        sequences = w.sequences
+        fits = w.free_pages is None or \
+            w.free_pages >= pages_for_tokens(num_prompt_tokens, w.block_size) - pages
+        if fits and w.address not in avoid and (least is None or sequences < least):
+            least = sequences
+        figures.append((w, pages, sequences, fits))
+    busy_line = least * weights.max_imbalance + weights.imbalance_slack \
+        if least is not None else 0
+    cache_weight, sequence_weight = weights.cache_weight, weights.sequence_weight
     rows = []
-    for w in healthy:
-        cached = cached_pages.get(w.address, 0) * w.block_size
-        cost = weights.cache_weight * max(0, num_prompt_tokens - cached) \
-            + weights.sequence_weight * w.sequences
-        busy = bool(roomy) and w.sequences > busy_line
-        note = "retry" if w.address in avoid else "no room" if not fits[w.address] else \
-            "busy" if busy else ""
+    for w, pages, sequences, fits in figures:
+        address = w.address
+        cached = pages * w.block_size
+        cost = cache_weight * max(0, num_prompt_tokens - cached) + sequence_weight * sequences
+        busy = least is not None and sequences > busy_line
+        retry = address in avoid
+        note = "retry" if retry else "no room" if not fits else "busy" if busy else ""
         free = w.free_pages if w.free_pages is not None else 0
-        rows.append((w.address in avoid, not fits[w.address], busy, cost, w.placed, -free,
-                     w.address, Candidate(w.address, cached, w.sequences, cost, note)))
-    rows.sort(key=lambda r: r[:7])
+        rows.append((retry, not fits, busy, cost, w.placed, -free, address,
+                     Candidate(address, cached, sequences, cost, note)))
+    rows.sort(key=_first7)
     return _placement(rows)
+
+
+def _first4(row: tuple) -> tuple:  # type: ignore[type-arg]
+    return row[:4]
+
+
+def _first7(row: tuple) -> tuple:  # type: ignore[type-arg]
+    return row[:7]
 
 
 def _placement(rows: list[tuple]) -> Placement:  # type: ignore[type-arg]
