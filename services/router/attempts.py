@@ -73,8 +73,9 @@ class AttemptRunner:
                  decode_start_timeout_s: float = 30.0, renew_lease_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  cache: CacheFeeds | None = None, weights: Weights = DEFAULT_WEIGHTS,
-                 remote_prefill_min_tokens: int = 0):
+                 remote_prefill_min_tokens: int = 0, stream_interval: int = 1):
         self._pool = pool
+        self._stream_interval = stream_interval  # tokens per decode message after the first
         self._cache = cache  # None: placement by load only
         self._weights = weights
         # An uncached part shorter than this is prefilled by the decode worker (0: never).
@@ -319,7 +320,8 @@ class AttemptRunner:
                                   request_id=reservation.ticket.request_id)
         call = reservation.open_decode(decode_pb2.DecodeRequest(
             ticket=reservation.ticket, prompt_token_ids=gen.prompt_ids, first_token=first_token,
-            sampling=wire.sampling_to_pb(gen.sampling), local_prefill=local), span)
+            sampling=wire.sampling_to_pb(gen.sampling), local_prefill=local,
+            stream_interval=self._stream_interval), span)
         timed_out = threading.Event()
 
         def give_up() -> None:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
+from pdserve.common.stream_interval import MAX_INTERVAL
 from pdserve.router.cache_index import MAX_PAGES
 from pdserve.router.placement import Weights
 from pdserve.router.targets import FORMS, Target, parse_target
@@ -78,6 +79,11 @@ class RouterConfig(ServerConfig):
                                                  "prefilled by the decode worker itself (no "
                                                  "prefill call, no KV handoff; measured in "
                                                  "docs/benchmarks.md); 0: never")
+    stream_interval: int = option(1, "tokens per message a client gets after the first: decode "
+                                     "workers send a sequence's tokens N at a time, so the "
+                                     "router reads and writes a message per N tokens (its CPU "
+                                     "per token falls ~N-fold; the client sees bursts of N); "
+                                     "1: every token as it is made")
     max_streams: int = option(256, "Generate streams served at once (server threads), per API; "
                                    "over it a gRPC Generate is refused at once with "
                                    "RESOURCE_EXHAUSTED")
@@ -117,6 +123,8 @@ class RouterConfig(ServerConfig):
         require(0 <= self.max_retries <= 10, "max_retries", self.max_retries, "0..10")
         require(self.placement_sample >= 0, "placement_sample", self.placement_sample,
                 ">= 0 (0 = every worker)")
+        require(1 <= self.stream_interval <= MAX_INTERVAL, "stream_interval",
+                self.stream_interval, f"1..{MAX_INTERVAL}")
         require(0 <= self.lease_ms < 1e9, "lease_ms", self.lease_ms, ">= 0 (0 = not renewed)")
         for name in ("prefill_timeout_s", "reserve_timeout_s", "health_interval_s",
                      "discovery_interval_s", "decode_start_timeout_s"):

@@ -101,7 +101,8 @@ class Lifecycle:
                  reserve_timeout_s: float = 5.0, decode_start_timeout_s: float = 30.0,
                  renew_lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
                  metrics: RouterMetrics | None = None, cache: CacheFeeds | None = None,
-                 weights: Weights = DEFAULT_WEIGHTS, remote_prefill_min_tokens: int = 0):
+                 weights: Weights = DEFAULT_WEIGHTS, remote_prefill_min_tokens: int = 0,
+                 stream_interval: int = 1):
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics()
         self._pool = pool
@@ -113,7 +114,8 @@ class Lifecycle:
                                      decode_start_timeout_s=decode_start_timeout_s,
                                      renew_lease_s=renew_lease_s, cache=cache,
                                      weights=weights,
-                                     remote_prefill_min_tokens=remote_prefill_min_tokens)
+                                     remote_prefill_min_tokens=remote_prefill_min_tokens,
+                                     stream_interval=stream_interval)
         self._draining = False
 
     def close(self) -> None:

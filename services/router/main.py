@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                           reserve_timeout_s=cfg.reserve_timeout_s,
                           decode_start_timeout_s=cfg.decode_start_timeout_s,
                           renew_lease_s=cfg.lease_ms / 1e3, cache=feeds, weights=cfg.weights,
-                          remote_prefill_min_tokens=cfg.remote_prefill_min_tokens)
+                          remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
+                          stream_interval=cfg.stream_interval)
     servicer = RouterServicer(lifecycle, cfg.max_streams)
     peers: PeerPlacements | None = None
     if cfg.peers and feeds is not None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from pdserve.common.stream_interval import every_n_async
 from pdserve.sim.cache import SimCache
 from pdserve.sim.profile import SimProfile
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -168,7 +169,8 @@ class SimDecode(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         try:
-            async for message in self.sequence(request):
+            async for message in every_n_async(self.sequence(request),
+                                               request.stream_interval):
                 yield message
         except Refused as exc:
             await context.abort(exc.code, exc.message)
@@ -268,7 +270,8 @@ class _Mux:
     async def _run(self, rid: str, start: decode_pb2.DecodeRequest) -> None:
         last = decode_pb2.SequenceUpdate(request_id=rid, last=True)
         try:
-            async for message in self.worker.sequence(start):
+            async for message in every_n_async(self.worker.sequence(start),
+                                               start.stream_interval):
                 if message.finish_reason:
                     last.message.CopyFrom(message)
                 else:

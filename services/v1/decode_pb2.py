@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x10\n\x08lease_ms\x18\x03 \x01(\x01\x12\x16\n\x0erenew_lease_ms\x18\x04 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12!\n\x19prefill_here_below_tokens\x18\x06 \x01(\x05\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xad\x01\n\x0fReserveResponse\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12.\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x16\n\x0erenew_lease_ms\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fprefilling_here\x18\x05 \x01(\x08\"K\n\x0cRenewRequest\x12#\n\x07tickets\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Ticket\x12\x16\n\x0erenew_lease_ms\x18\x02 \x01(\x01\"!\n\rRenewResponse\x12\x10\n\x08not_held\x18\x01 \x03(\t\"\xa7\x01\n\rDecodeRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\"\x90\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_start_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"\x82\x01\n\x11\x44\x65\x63odeManyRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12$\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TicketH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\tB\x06\n\x04kind\"A\n\x12\x44\x65\x63odeManyResponse\x12+\n\x07updates\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.SequenceUpdate\"\x8a\x01\n\x0eSequenceUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07message\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\"B\n\x0c\x41\x62ortRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe6\x03\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12L\n\x0b\x43\x61\x63heEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd4\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x10\n\x08lease_ms\x18\x03 \x01(\x01\x12\x16\n\x0erenew_lease_ms\x18\x04 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12!\n\x19prefill_here_below_tokens\x18\x06 \x01(\x05\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xad\x01\n\x0fReserveResponse\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12.\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x16\n\x0erenew_lease_ms\x18\x03 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fprefilling_here\x18\x05 \x01(\x08\"K\n\x0cRenewRequest\x12#\n\x07tickets\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Ticket\x12\x16\n\x0erenew_lease_ms\x18\x02 \x01(\x01\"!\n\rRenewResponse\x12\x10\n\x08not_held\x18\x01 \x03(\t\"\xc0\x01\n\rDecodeRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"\x90\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_start_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"\x82\x01\n\x11\x44\x65\x63odeManyRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12$\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TicketH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\tB\x06\n\x04kind\"A\n\x12\x44\x65\x63odeManyResponse\x12+\n\x07updates\x18\x01 \x03(\x0b\x32\x1a.pdserve.v1.SequenceUpdate\"\x8a\x01\n\x0eSequenceUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07message\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\"B\n\x0c\x41\x62ortRequest\x12\"\n\x06ticket\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Ticket\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe6\x03\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12L\n\x0b\x43\x61\x63heEvents\x12\x1e.pdserve.v1.CacheEventsRequest\x1a\x1b.pdserve.v1.CacheEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWRESPONSE']._serialized_start=532
   _globals['_RENEWRESPONSE']._serialized_end=565
   _globals['_DECODEREQUEST']._serialized_start=568
-  _globals['_DECODEREQUEST']._serialized_end=735
-  _globals['_DECODERESPONSE']._serialized_start=738
-  _globals['_DECODERESPONSE']._serialized_end=882
-  _globals['_DECODEMANYREQUEST']._serialized_start=885
-  _globals['_DECODEMANYREQUEST']._serialized_end=1015
-  _globals['_DECODEMANYRESPONSE']._serialized_start=1017
-  _globals['_DECODEMANYRESPONSE']._serialized_end=1082
-  _globals['_SEQUENCEUPDATE']._serialized_start=1085
-  _globals['_SEQUENCEUPDATE']._serialized_end=1223
-  _globals['_ABORTREQUEST']._serialized_start=1225
-  _globals['_ABORTREQUEST']._serialized_end=1291
-  _globals['_ABORTRESPONSE']._serialized_start=1293
-  _globals['_ABORTRESPONSE']._serialized_end=1323
-  _globals['_DECODE']._serialized_start=1326
-  _globals['_DECODE']._serialized_end=1812
+  _globals['_DECODEREQUEST']._serialized_end=760
+  _globals['_DECODERESPONSE']._serialized_start=763
+  _globals['_DECODERESPONSE']._serialized_end=907
+  _globals['_DECODEMANYREQUEST']._serialized_start=910
+  _globals['_DECODEMANYREQUEST']._serialized_end=1040
+  _globals['_DECODEMANYRESPONSE']._serialized_start=1042
+  _globals['_DECODEMANYRESPONSE']._serialized_end=1107
+  _globals['_SEQUENCEUPDATE']._serialized_start=1110
+  _globals['_SEQUENCEUPDATE']._serialized_end=1248
+  _globals['_ABORTREQUEST']._serialized_start=1250
+  _globals['_ABORTREQUEST']._serialized_end=1316
+  _globals['_ABORTRESPONSE']._serialized_start=1318
+  _globals['_ABORTRESPONSE']._serialized_end=1348
+  _globals['_DECODE']._serialized_start=1351
+  _globals['_DECODE']._serialized_end=1837
 # @@protoc_insertion_point(module_scope)

@@ -54,18 +54,20 @@ class RenewResponse(_message.Message):
     def __init__(self, not_held: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("ticket", "prompt_token_ids", "first_token", "sampling", "local_prefill")
+    __slots__ = ("ticket", "prompt_token_ids", "first_token", "sampling", "local_prefill", "stream_interval")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     ticket: _common_pb2.Ticket
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     sampling: _common_pb2.SamplingParams
     local_prefill: bool
-    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, ticket: _Optional[_Union[_common_pb2.Ticket, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "decode_start_ms", "prefill_ms", "queue_ms", "cached_tokens")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
-from pdserve.common import tracing, wire
+from pdserve.common import stream_interval, tracing, wire
 from pdserve.common.errors import InvalidArgument
 from pdserve.common.metrics import WorkerMetrics
 from pdserve.common.tickets import TicketKey
@@ -199,7 +199,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 def decode_messages(worker: DecodeBackend, request: decode_pb2.DecodeRequest
                     ) -> Iterator[decode_pb2.DecodeResponse]:
-    """One sequence's Decode messages (the Decode call's, and each sequence's on DecodeMany)."""
+    """One sequence's Decode messages (the Decode call's, and each sequence's on DecodeMany),
+    `request.stream_interval` tokens to a message after the first."""
+    interval = stream_interval.checked(request.stream_interval)
+    yield from stream_interval.every_n(_decode_messages(worker, request), interval)
+
+
+def _decode_messages(worker: DecodeBackend, request: decode_pb2.DecodeRequest
+                     ) -> Iterator[decode_pb2.DecodeResponse]:
     domain = DecodeRequest(
         wire.ticket_from_pb(request.ticket),
         list(request.prompt_token_ids),

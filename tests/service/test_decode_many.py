@@ -3,7 +3,8 @@ sharing one stream get exactly the tokens transformers gives, in fewer messages 
 call each would send; a bad start fails alone with its Decode call's status; cancelling one
 sequence, and closing the stream, free the pages; the router runs its sequences on one
 shared stream per worker, and on a call each with --no-shared-decode-stream; a router relay
-that fell behind sends the tokens that piled up as one message."""
+that fell behind sends the tokens that piled up as one message; a stream interval sends tokens
+N to a message, from the worker through the router."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.support import samples, value, wait_for
 pytestmark = pytest.mark.service
 
 MAX_TOKENS = 12
+INTERVAL = 4  # the stack's router --stream-interval
 STARTS = "pdserve_decode_sequences_started_total"
 
 
@@ -49,7 +51,9 @@ def pause(tmp_path_factory):
 def stack(tiny_model_dir, pause):
     # The router holds a request named behind-* before relaying each decode message until
     # `relay.go` exists: what the worker streams meanwhile piles up in the router.
-    with pdserve_stack(env={"PDSERVE_FAILPOINTS": f"router.decoding@behind-=pause:{pause}"}) as s:
+    # Its router asks for tokens 4 to a message after the first (--stream-interval 4).
+    with pdserve_stack(env={"PDSERVE_FAILPOINTS": f"router.decoding@behind-=pause:{pause}",
+                            "PDSERVE_ROUTER_STREAM_INTERVAL": str(INTERVAL)}) as s:
         yield s
 
 
@@ -67,7 +71,8 @@ def _sampling(max_tokens: int = MAX_TOKENS):
     return common_pb2.SamplingParams(max_tokens=max_tokens, top_p=1.0, ignore_eos=True)
 
 
-def _started(decode, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
+def _started(decode, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
+             interval: int = 0):
     """A sequence the decode worker computes itself (decode-first), ready for its start."""
     from pdserve.v1 import decode_pb2
 
@@ -77,7 +82,7 @@ def _started(decode, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
     assert reply.prefilling_here
     return decode_pb2.DecodeManyRequest(start=decode_pb2.DecodeRequest(
         ticket=reply.ticket, prompt_token_ids=prompt, local_prefill=True,
-        sampling=_sampling(max_tokens)))
+        sampling=_sampling(max_tokens), stream_interval=interval))
 
 
 class Stream:
@@ -254,3 +259,41 @@ def test_a_relay_that_fell_behind_sends_what_piled_up_as_one_message(stack, hf, 
     # (the last may reach the router after the worker's Stats said it was done), not eleven.
     assert len(deltas) <= 3, [list(d.token_ids) for d in deltas]
     assert "".join(d.text for d in deltas) == text
+
+
+def test_a_stream_interval_sends_tokens_n_to_a_message(stack, decode, hf):
+    prompt = _tokens(70, 26)
+    stream = Stream(decode)
+    try:
+        stream.send(_started(decode, "many-interval", prompt, interval=INTERVAL))
+        assert stream.wait(lambda s: "many-interval" in s.ended), stream.error
+    finally:
+        stream.close()
+    assert stream.tokens("many-interval") == _reference(hf, prompt)
+    # The first token as it came (the sequence is live), then 4, 4 and the 3 left.
+    assert [len(u.message.token_ids) for u in stream.updates["many-interval"]] == [1, 4, 4, 3]
+    assert stream.ended["many-interval"].message.finish_reason == "length"
+
+
+def test_a_stream_interval_out_of_range_is_refused_by_name(stack, decode):
+    start = _started(decode, "many-bad-interval", _tokens(71, 20), interval=5000)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(decode.Decode(start.start, timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval=5000: must be 0..4096" in refused.value.details()
+    from pdserve.v1 import decode_pb2
+
+    decode.Abort(decode_pb2.AbortRequest(ticket=start.start.ticket), timeout=10)
+
+
+def test_the_routers_stream_interval_reaches_the_client(stack, hf):
+    prompt = _tokens(72, 24)
+    responses = stack.generate(token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                               ignore_eos=True)
+    ids, text, _, finish = collect(responses)
+    assert ids == _reference(hf, prompt) and finish.completion_tokens == MAX_TOKENS
+    sizes = [len(r.delta.token_ids) for r in responses if r.WhichOneof("kind") == "delta"]
+    # The prefill's token, the decode stream's first message, then INTERVAL at a time (a relay
+    # that fell behind may send several of those at once); the last takes what is left.
+    assert sizes[0] == 1 and len(sizes) < MAX_TOKENS // 2, sizes
+    assert all(n % INTERVAL == 0 for n in sizes[2:-1]), sizes

@@ -171,6 +171,35 @@ def test_an_idle_shared_decode_stream_is_closed_and_the_next_sequence_opens_a_ne
         streams.close()
 
 
+def test_simulated_workers_stream_n_tokens_to_a_message_as_real_ones_do() -> None:
+    """DecodeRequest.stream_interval on a simulated worker, on a Decode call and on DecodeMany:
+    the first message as it comes, then the tokens N at a time (what `pdserve bench router
+    --router-arg=--stream-interval=N` measures)."""
+    first = f"127.{os.getpid() % 200 + 20}.250.1"
+    dport = free_port()
+    sim = pdserve_argv("sim", "--prefill", "0", "--decode", "1", "--first-address", first,
+                       "--decode-port", str(dport), "--prefill-port", str(free_port()))
+    address = f"{first}:{dport}"
+    prompt = [7, 8, 9, 10, 11, 12]
+
+    def start(rid: str) -> decode_pb2.DecodeRequest:
+        reply = stub.Reserve(decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=6,
+                                                       lease_ms=10_000), timeout=5)
+        return decode_pb2.DecodeRequest(
+            ticket=reply.ticket, prompt_token_ids=prompt, first_token=prompt[0],
+            sampling=common_pb2.SamplingParams(max_tokens=6), stream_interval=2)
+
+    with running(sim, address), grpc.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        messages = list(stub.Decode(start("call"), timeout=10))
+        assert [list(m.token_ids) for m in messages] == [[], [8, 9], [10, 11], [12]]
+        assert messages[-1].finish_reason == "length"
+        streams = DecodeStreams(stub, address)
+        seq = streams.open(start("many"), "", None)
+        assert [list(m.token_ids) for m in seq] == [[], [8, 9], [10, 11], [12]]
+        streams.close()
+
+
 def test_two_routers_share_one_pool(tiny_model_dir) -> None:
     """Routers are stateless replicas: two of them in front of the same 8 + 8 simulated
     workers, requests sent to both at once, each placing by what it sees (the workers' Stats
