@@ -273,6 +273,7 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
                            "all_used_s": result.pop("all_used_s")}
     result["machine"] = machine()
     result["router"] = kind
+    result["router_args"] = list(args.router_arg) if kind == "pdserve" else []
     return result
 
 

@@ -153,7 +153,8 @@ def show(r: dict[str, Any]) -> None:
     lines = [
         f"router bench: {r['workers']} simulated workers, {r['rate']:g} req/s offered, "
         f"{r['prompt_tokens']} prompt / {r['output_tokens']} output tokens, "
-        f"{r['duration_s']:.1f} s measured",
+        f"{r['duration_s']:.1f} s measured"
+        + (f"; router flags {' '.join(r['router_args'])}" if r.get("router_args") else ""),
         f"  completed           {r['completed']} of {r['sent']} ({r['failed']} failed"
         + (f": {r['errors']}" if r["errors"] else "") + ")",
         f"  sustained           {r['req_s']:.1f} req/s, {r['tokens_s']:.0f} tokens/s",

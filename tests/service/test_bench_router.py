@@ -56,6 +56,8 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     # dead workers were streaming may fail.
     assert v["failed"] <= v["in_flight_lost"] + 2, v["errors"]
     assert "router-added ms" in run.stdout and "workers used        140 of 140" in run.stdout
+    assert r["router_args"] == ["--placement-sample=4"]  # the figures name what they ran with
+    assert "s measured; router flags --placement-sample=4" in run.stdout
     # from the router's /metrics, over the window: the router collects rarely (a young
     # threshold of 20,000), so a few seconds may see none; a count and its time go together
     gc_ = r["router_gc"]
