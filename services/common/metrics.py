@@ -92,6 +92,11 @@ class RouterMetrics:
                                      registry=r)
         self.completion_tokens = Counter("pdserve_completion_tokens", "tokens streamed to "
                                          "clients", registry=r)
+        self.relay_merged = Counter(
+            "pdserve_relay_merged_messages", "decode messages a client got inside the one ahead "
+            "of them because the router's relay had fallen behind its decode worker: a router "
+            "core near saturation (add a router replica, or raise --stream-interval)",
+            registry=r)
         self.retries = Counter("pdserve_retries", "extra attempts (other workers) before a "
                                "request's first token", registry=r)
 

@@ -254,7 +254,7 @@ class Lifecycle:
                 yield first_delta
                 yield self._first_sent(clock, timing, record)
                 try:
-                    for message in stream.messages(parking):
+                    for message in stream.messages(parking, self.metrics.relay_merged.inc):
                         if isinstance(message, Parked):
                             yield message
                             continue

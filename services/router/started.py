@@ -58,12 +58,13 @@ class DecodeStream:
     first: decode_pb2.DecodeResponse
     span: tracing.Span
 
-    def messages(self, parking: bool = False) -> Iterator[decode_pb2.DecodeResponse | Parked]:
+    def messages(self, parking: bool = False, on_merged: Callable[[int], None] | None = None
+                 ) -> Iterator[decode_pb2.DecodeResponse | Parked]:
         """The messages; with `parking`, `Parked` before each one that has not arrived yet on
         a shared stream (instead of blocking). On a shared stream the messages that arrived
         behind one while the relay was busy come merged into it: a relay that falls behind
         sends one message for all that piled up, so its cost per token falls as load grows
-        instead of its queue growing."""
+        instead of its queue growing; `on_merged(n)` is told of each n merged."""
         yield self.first
         call = self.call
         if not isinstance(call, SequenceStream):
@@ -76,14 +77,18 @@ class DecodeStream:
                 message = next(call)
             except StopIteration:
                 return
-            yield _merge_ready(call, message)
+            merged = _merge_ready(call, message)
+            if merged and on_merged is not None:
+                on_merged(merged)
+            yield message
 
 
-def _merge_ready(call: SequenceStream, message: decode_pb2.DecodeResponse
-                 ) -> decode_pb2.DecodeResponse:
-    """`message` with the tokens of those that arrived behind it appended (the relay fell
-    behind the worker: one message out instead of several)."""
+def _merge_ready(call: SequenceStream, message: decode_pb2.DecodeResponse) -> int:
+    """Append to `message` the tokens of those that arrived behind it (the relay fell behind
+    the worker: one message out instead of several); how many were merged."""
+    merged = 0
     while not message.finish_reason and (more := call.take_ready()) is not None:
         message.token_ids.extend(more.token_ids)
         message.finish_reason = more.finish_reason
-    return message
+        merged += 1
+    return merged

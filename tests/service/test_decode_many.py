@@ -237,7 +237,11 @@ def test_the_router_runs_its_sequences_on_one_shared_stream(stack, hf, tiny_mode
 def test_a_relay_that_fell_behind_sends_what_piled_up_as_one_message(stack, hf, pause):
     from pdserve.v1 import router_pb2, router_pb2_grpc
 
+    def merged() -> float:
+        return value(samples(stack.scrape("router")), "pdserve_relay_merged_messages_total")
+
     prompt = _tokens(60, 24)
+    before = merged()
     with grpc.insecure_channel(stack.router) as channel:
         call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
             request_id="behind-1", token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
@@ -259,6 +263,8 @@ def test_a_relay_that_fell_behind_sends_what_piled_up_as_one_message(stack, hf, 
     # (the last may reach the router after the worker's Stats said it was done), not eleven.
     assert len(deltas) <= 3, [list(d.token_ids) for d in deltas]
     assert "".join(d.text for d in deltas) == text
+    # The router counts what it merged: an operator's sign of a router core near saturation.
+    assert merged() - before >= 1
 
 
 def test_a_stream_interval_sends_tokens_n_to_a_message(stack, decode, hf):

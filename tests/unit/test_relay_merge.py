@@ -35,20 +35,24 @@ def test_tokens_that_piled_up_go_out_as_one_message_and_the_finish_ends_it():
     seq = _seq()
     for update in (_update(2), _update(3), _update(4, 5), _update(6, finish="length")):
         seq.put(update)
-    messages = list(_stream(seq).messages())
+    merged: list[int] = []
+    messages = list(_stream(seq).messages(on_merged=merged.append))
     assert [list(m.token_ids) for m in messages] == [[1], [2, 3, 4, 5, 6]]
     assert messages[-1].finish_reason == "length"
+    assert merged == [3]  # three messages went out inside the one ahead of them
 
 
 def test_a_relay_that_keeps_up_sends_each_message_as_it_came():
     seq = _seq()
-    out = _stream(seq).messages()
+    merged: list[int] = []
+    out = _stream(seq).messages(on_merged=merged.append)
     assert list(next(out).token_ids) == [1]
     seq.put(_update(2))
     assert list(next(out).token_ids) == [2]
     seq.put(_update(3, finish="stop"))
     assert list(next(out).token_ids) == [3]
     assert next(out, None) is None
+    assert merged == []
 
 
 def test_an_error_behind_tokens_is_raised_after_they_went_out():
