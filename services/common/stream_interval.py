@@ -29,20 +29,29 @@ def checked(interval: int) -> int:
     return interval
 
 
+def absorb(message: decode_pb2.DecodeResponse, more: decode_pb2.DecodeResponse) -> None:
+    """`more`'s tokens appended to `message`, and its finish (one message out for both)."""
+    message.token_ids.extend(more.token_ids)
+    message.finish_reason = more.finish_reason
+
+
 class _Held:
-    """Tokens waiting for their message."""
+    """Tokens waiting for their message (the first message is never held)."""
 
     def __init__(self, interval: int):
         self.interval = interval
+        self.started = False
         self.message: decode_pb2.DecodeResponse | None = None
 
     def add(self, message: decode_pb2.DecodeResponse) -> decode_pb2.DecodeResponse | None:
         """`message` joined to those held; the message to send now, if one is due."""
+        if not self.started:
+            self.started = True
+            return message
         if self.message is None:
             self.message = message
         else:
-            self.message.token_ids.extend(message.token_ids)
-            self.message.finish_reason = message.finish_reason
+            absorb(self.message, message)
         if len(self.message.token_ids) >= self.interval or self.message.finish_reason:
             due, self.message = self.message, None
             return due
@@ -56,9 +65,8 @@ def every_n(messages: Iterator[decode_pb2.DecodeResponse], interval: int
         yield from messages
         return
     held = _Held(interval)
-    for i, message in enumerate(messages):
-        due = message if i == 0 else held.add(message)
-        if due is not None:
+    for message in messages:
+        if (due := held.add(message)) is not None:
             yield due
     if held.message is not None:  # ended without a finish (the caller's choice): no token lost
         yield held.message
@@ -71,11 +79,9 @@ async def every_n_async(messages: AsyncIterator[decode_pb2.DecodeResponse], inte
         async for message in messages:
             yield message
         return
-    held, first = _Held(interval), True
+    held = _Held(interval)
     async for message in messages:
-        due = message if first else held.add(message)
-        first = False
-        if due is not None:
+        if (due := held.add(message)) is not None:
             yield due
     if held.message is not None:
         yield held.message

@@ -132,7 +132,7 @@ def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
         retry = address in avoid
         rows.append((retry, cost, w.placed, address,
                      Candidate(address, cached, pending, cost, "retry" if retry else "")))
-    rows.sort(key=_first4)
+    rows.sort(key=lambda r: r[:4])
     return _placement(rows)
 
 
@@ -170,16 +170,8 @@ def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
         free = w.free_pages if w.free_pages is not None else 0
         rows.append((retry, not fits, busy, cost, w.placed, -free, address,
                      Candidate(address, cached, sequences, cost, note)))
-    rows.sort(key=_first7)
+    rows.sort(key=lambda r: r[:7])
     return _placement(rows)
-
-
-def _first4(row: tuple) -> tuple:  # type: ignore[type-arg]
-    return row[:4]
-
-
-def _first7(row: tuple) -> tuple:  # type: ignore[type-arg]
-    return row[:7]
 
 
 def _placement(rows: list[tuple]) -> Placement:  # type: ignore[type-arg]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common import tracing
+from pdserve.common.stream_interval import absorb
 from pdserve.router.mux import SequenceStream
 from pdserve.router.reservation import ReservationHandle
 from pdserve.v1 import decode_pb2, prefill_pb2
@@ -88,7 +89,6 @@ def _merge_ready(call: SequenceStream, message: decode_pb2.DecodeResponse) -> in
     the worker: one message out instead of several); how many were merged."""
     merged = 0
     while not message.finish_reason and (more := call.take_ready()) is not None:
-        message.token_ids.extend(more.token_ids)
-        message.finish_reason = more.finish_reason
+        absorb(message, more)
         merged += 1
     return merged
