@@ -27,10 +27,15 @@ podman build "${limits[@]}" -f deploy/Containerfile -t "$tag" \
     --build-arg EXTRA_PACKAGES="${PDSERVE_EXTRA_PACKAGES:-}" \
     --build-arg MODELS="${PDSERVE_MODELS:-tiny smollm2}" \
     --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    --build-arg BUILD_TAG="$tag" \
     -v /etc/ssl/certs:/etc/ssl/certs:ro \
     -v "$wheels":/wheels:ro \
     --layers --force-rm .
 # The image this tag named before is left untagged: remove it (the layer cache stays).
 new=$(podman image inspect --format '{{.Id}}' "$tag")
 if [ -n "$old" ] && [ "$old" != "$new" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
+# So is the build stage's image (models, compiled kernels: ~1.9 GB a build), copied from and done
+# with; what it was built on (the dependencies' layers) stays cached.
+stage=$(podman images -q --filter "label=io.pdserve.build-stage-of=$tag" | sort -u)
+[ -z "$stage" ] || podman rmi $stage >/dev/null 2>&1 || true
 echo "built $tag ($(podman image inspect --format '{{.Size}}' "$tag" | numfmt --to=iec) bytes)"

@@ -129,6 +129,15 @@ def generate(address: str, prompt: str | list[int]) -> list[dict[str, Any]]:
     return messages
 
 
+def test_the_build_leaves_only_its_image(image_build):
+    """The build stage (compilers, models: ~1.9 GB) is copied from and removed; a build that kept
+    it left one behind per code change."""
+    assert subprocess.run(["podman", "image", "exists", image_build.tag]).returncode == 0
+    stage = pm.podman("images", "-q", "--filter",
+                      f"label=io.pdserve.build-stage-of={image_build.tag}")
+    assert stage == "", f"the build stage's image is still there: {stage}"
+
+
 def test_image_serves_the_cpu_demo_pods(stack, expected):
     names = start_pods(stack)
     router = f"127.0.0.1:{stack.pods['router'].host_port('router', 'grpc')}"
