@@ -11,12 +11,15 @@ What runs, with which flags, is `pdserve up`'s plan (up.py).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.common.health import wait_serving
@@ -35,6 +38,7 @@ class Proc:
     argv: list[str]
     metrics_port: int = -1
     cpus: list[int] | None = None  # pinned to these cores (None: wherever the OS runs it)
+    ports: list[int] = field(default_factory=list)  # the fixed ports it listens on
     popen: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
@@ -65,6 +69,31 @@ class Stack:
                 raise RuntimeError(f"{p.name} did not come up: {exc}\n--- last lines of "
                                    f"{p.log} ---\n{self.tail(p)}") from None
             print(" serving", flush=True)
+        dead = self.exited()  # its SERVING came from whatever took its port since the check
+        if dead:
+            p = dead[0]
+            code = p.popen.returncode if p.popen else None
+            raise RuntimeError(f"{p.name} exited with status {code} while the stack started\n"
+                               f"--- last lines of {p.log} ---\n{self.tail(p)}")
+
+    def watch(self, poll_s: float = 0.5) -> int:
+        """Serve until interrupted, reporting each process that exits: the rest keep serving
+        without a worker or an agent (the router routes around it); without the router nothing
+        does, so then (or once every process exited) returns 1."""
+        reported: set[str] = set()
+        while True:
+            time.sleep(poll_s)  # the interval of the supervision poll
+            for dead in self.exited():
+                if dead.name in reported:
+                    continue
+                reported.add(dead.name)
+                code = dead.popen.returncode if dead.popen else None
+                fatal = dead.name == "router" or len(reported) == len(self.procs)
+                then = "stopping the stack" if fatal else "the other processes keep serving"
+                print(f"{dead.name} exited with status {code}; {then}. Its last lines:\n"
+                      f"{self.tail(dead)}", file=sys.stderr, flush=True)
+                if fatal:
+                    return 1
 
     def tail(self, p: Proc, lines: int = 25) -> str:
         if p.log is None:
@@ -94,6 +123,35 @@ class Stack:
                     pass
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+
+
+def port_conflicts(procs: list[Proc]) -> list[str]:
+    """Why the planned ports cannot all be listened on ([] when they can): a port planned
+    for two processes, or one that something already listens on (another `pdserve up`
+    would otherwise answer this one's readiness checks)."""
+    owner: dict[int, str] = {}
+    problems = []
+    for p in procs:
+        for port in p.ports:
+            if port in owner:
+                problems.append(f"port {port} is planned for both {owner[port]} and {p.name}")
+                continue
+            owner[port] = p.name
+            if _listened_on(port):
+                problems.append(f"port {port} ({p.name}) is already in use")
+    return problems
+
+
+def _listened_on(port: int) -> bool:
+    """Whether binding 0.0.0.0:`port`, as the services do, fails because it is taken
+    (SO_REUSEADDR: a port a stopped stack left in TIME_WAIT counts as free, as for them)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _stop_tier(name: str) -> int:

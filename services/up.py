@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from pdserve.common.config import option, parse_config, require
 from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
 from pdserve.common.models import DEFAULT_MODEL
 from pdserve.common.security import ChannelSecurity
-from pdserve.processes import Proc, Stack
+from pdserve.processes import Proc, Stack, port_conflicts
 
 OTLP_ENDPOINT = re.compile(r"(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?")
 
@@ -106,6 +105,13 @@ class UpConfig:
         for name in ("prefill_tp", "decode_tp", "colocated_tp"):
             require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
         require(self.kv_cache_mb >= 0, "kv_cache_mb", self.kv_cache_mb, ">= 0")
+        for name, count in (("port", 1), ("prefill_port", self.prefill),
+                            ("decode_port", self.decode), ("agent_port", 2),
+                            ("colocated_port", 1)):
+            first = getattr(self, name)
+            require(1 <= first <= 65536 - count, name, first,
+                    f"1..{65536 - count}" + (f" ({count} ports count up from it)"
+                                             if count > 1 else ""))
         require(-1 <= self.http_port <= 65535, "http_port", self.http_port,
                 "0..65535, or -1 (off)")
         require(-1 <= self.metrics_port <= 65535 - 50, "metrics_port", self.metrics_port,
@@ -156,6 +162,9 @@ def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     cores = cfg.cpu_plan()
     for p in procs:
         p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name))
+        p.ports = [int(p.address.rsplit(":", 1)[1]),
+                   *([p.metrics_port] if p.metrics_port > 0 else []),
+                   *([cfg.http_port] if p.name == "router" and cfg.http_port > 0 else [])]
         p.argv += ["--metrics-port", str(p.metrics_port)]
         if cfg.tls:
             certs = CertPaths(Path(cfg.tls))
@@ -305,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"pdserve up: --model: {exc}", file=sys.stderr)
         return 2
+    conflicts = port_conflicts(plan(cfg, Path(cfg.model), ref.name))  # before any model work
+    if conflicts:
+        print(f"pdserve up: {'; '.join(conflicts)}. Is another pdserve up running? --port, "
+              "--prefill-port, --decode-port, --agent-port, --http-port and --metrics-port "
+              "move the ports.", file=sys.stderr)
+        return 2
     model_dir = ensure_model_dir(ref, progress=lambda m: print(m, flush=True))
     model_name = ref.name
     log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
@@ -328,19 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             status = demo.run(router, model_dir, ref.random_weights, cfg.demo_prompt,
                               demo_security(cfg))
         else:
-            reported: set[str] = set()
-            while True:  # until Ctrl-C / SIGTERM
-                time.sleep(0.5)
-                for dead in stack.exited():  # the rest keep serving (the router routes around it)
-                    if dead.name not in reported:
-                        reported.add(dead.name)
-                        code = dead.popen.returncode if dead.popen else None
-                        print(
-                            f"{dead.name} exited with status {code}; the other "
-                            f"processes keep serving. Its last lines:\n{stack.tail(dead)}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+            status = stack.watch()  # until Ctrl-C / SIGTERM, or the router exits
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:
