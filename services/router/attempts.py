@@ -184,6 +184,7 @@ class AttemptRunner:
             if worker is None:  # it left the pool since the ranking
                 continue
             stub = worker.decode
+            sent = self._clock()
             try:
                 reply = unary_call(self._pool, scope, "router.reserve", worker.unary.reserve,
                                    request, self._reserve_timeout_s, f"decode {address}",
@@ -212,7 +213,7 @@ class AttemptRunner:
             handle = ReservationHandle(stub, address, reply, self._abort_timeout_s,
                                        on_done=functools.partial(self._pool.release, worker),
                                        keeper=self._keeper)
-            handle.placement = placement.explain()
+            handle.placement, handle.sent_at = placement.explain(), sent
             handle.decode_call = worker.unary.decode
             if len(self._pool.healthy("decode")) <= SHARED_STREAM_MAX_WORKERS:
                 handle.streams = worker.streams
@@ -277,8 +278,9 @@ class AttemptRunner:
                            ends_at_first_token: Callable[[int], bool]) -> Started:
         """The decode worker computes the prompt's short uncached part itself (a co-located
         worker: every prompt), started at Reserve: no prefill call, no handoff. Its first
-        message carries the first token and the prefill's times."""
-        sent = self._clock()
+        message carries the first token and the prefill's times, counted from Reserve when
+        the prompt started there (so the router's own part ends when that went out)."""
+        sent = reservation.sent_at if reservation.prefilling_here else self._clock()
         stream = self._start_decode(gen, reservation, 0, scope, local=True)
         reservation.stop_renewing()
         first = stream.first

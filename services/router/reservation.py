@@ -42,6 +42,7 @@ class ReservationHandle:
         self.cached_tokens: int = reply.cached_tokens  # prompt tokens the decode side holds
         self.prefilling_here: bool = reply.prefilling_here  # decode started the prompt itself
         self.placement = ""  # why this worker (the placement's explanation)
+        self.sent_at = 0.0  # the router's clock when the Reserve call went out
         self.not_held = False  # a renewal found the reservation gone from the worker
         self.streams: DecodeStreams | None = None  # the worker's shared decode stream
         self.decode_call: Any = None  # else a Decode call on its thread (calls.WorkerCalls)

@@ -147,12 +147,11 @@ class LocalPrefill:
 def local_times(early: EarlyStart | None, received: float, now: float,
                 out: StepOutput) -> tuple[float, float, float, int]:
     """(decode_start_ms, prefill_ms, queue_ms, cached_tokens) of a local prefill's first
-    message, adding up to the time since the request arrived here. Started at Reserve, the
-    queue runs from Reserve and decode start is only what follows the later of the Decode
-    call and the first token."""
-    if early is None:
-        return ((now - received) * 1e3, out.prefill_ms,
-                max(0.0, (now - received) * 1e3 - out.prefill_ms), out.cached_tokens)
+    message, adding up to the time since the prompt reached this worker: at Reserve when it
+    started there (`early`), else at the Decode call (`received`). Queue is that arrival to the
+    prefill's end less its compute; decode start only what follows the later of the Decode call
+    and the prefill's end."""
+    arrived = early.received if early is not None else received
     done = out.done_at or now
     return ((now - max(received, done)) * 1e3, out.prefill_ms,
-            max(0.0, (done - early.received) * 1e3 - out.prefill_ms), out.cached_tokens)
+            max(0.0, (done - arrived) * 1e3 - out.prefill_ms), out.cached_tokens)

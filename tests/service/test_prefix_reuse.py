@@ -140,7 +140,9 @@ def test_a_short_uncached_part_is_prefilled_on_the_decode_worker(tiny_model_dir,
     """Below --remote-prefill-min-tokens the decode worker computes what it lacks itself: no
     prefill call, no handoff; a long uncached part still goes to the prefill pool."""
     prompt = _tokens(5, 60)
-    with pdserve_stack(env={"PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS": "40"}) as s:
+    # 300 ms between each Reserve and what follows it: while the prompt computes at Reserve.
+    with pdserve_stack(env={"PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS": "40",
+                            "PDSERVE_FAILPOINTS": "router.reserved=sleep:300"}) as s:
         prefills = _metric(s.scrape("prefill-0"), "pdserve_prefill_requests_total")
         ids1, _, timing1, _ = _generate(s, prompt)  # 60 uncached: the prefill pool
         assert timing1.prefill_on == "prefill" and timing1.kv_pages == 4
@@ -149,6 +151,11 @@ def test_a_short_uncached_part_is_prefilled_on_the_decode_worker(tiny_model_dir,
         assert (timing2.prefill_on, timing2.kv_pages, timing2.kv_bytes) == ("decode", 0, 0)
         assert timing2.cached_tokens == timing2.decode_cached_tokens == 64
         assert timing2.prefill_worker == timing2.decode_worker and timing2.prefill_ms > 0
+        # Each part counted once: the decode worker's queue runs from Reserve, where the
+        # router's own part ends (it used to run on to the Decode call: the 300 ms twice).
+        parts = (timing2.queue_ms + timing2.prefill_ms + timing2.kv_transfer_ms
+                 + timing2.decode_start_ms)
+        assert parts <= timing2.ttft_ms, timing2
         assert _metric(s.scrape("prefill-0"), "pdserve_prefill_requests_total") == prefills + 1
         # A first token that ends the request there (max_tokens 1) frees the pages too.
         one = collect(s.generate(token_ids=turn2 + [4], max_tokens=1, temperature=0.0))

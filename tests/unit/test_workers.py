@@ -264,3 +264,21 @@ def test_colocated_worker_composes_both_roles(tiny_model_dir, reference):
         worker.stop()
         loop.stop()
         engine.close()
+
+
+def test_a_local_prefills_times_add_up_to_its_time_on_the_worker():
+    """Queue + prefill + decode start = the time since the prompt reached the worker, never
+    more (hand-computed, perf_counter seconds): the router adds only its own time before."""
+    from pdserve.engine.sequence import StepOutput
+    from pdserve.worker.early import EarlyStart
+    from pdserve.worker.here import local_times
+
+    out = StepOutput("r", 7, prefill_ms=30.0, done_at=10.050)
+    early = EarlyStart(TicketKey("r", 1), None, 10.0, 0.0, 0.0, 0.0)  # type: ignore[arg-type]
+    # Started at Reserve (10.000), done at 10.050, the Decode call came at 10.020: 20 ms queued
+    # before its 30 ms of compute, 5 ms from the end to the first message.
+    assert local_times(early, 10.020, 10.055, out) == pytest.approx((5.0, 30.0, 20.0, 0))
+    # ... the Decode call came after the end (10.070): decode start counts from it.
+    assert local_times(early, 10.070, 10.075, out) == pytest.approx((5.0, 30.0, 20.0, 0))
+    # Not started at Reserve: the Decode call (10.010) is when the prompt arrived.
+    assert local_times(None, 10.010, 10.055, out) == pytest.approx((5.0, 30.0, 10.0, 0))
