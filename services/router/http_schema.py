@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.api import ChatMessage, GenerateInput
+from pdserve.router.validation import CHAT_ROLES
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024  # as the gRPC port's largest message
 INT32 = (-(2**31), 2**31 - 1)  # integer fields travel between the services as int32,
 FLOAT32_MAX = 3.4028234663852886e38  # numbers as float32
 # Fields accepted only with a neutral value: anything else is a 400 naming the field.

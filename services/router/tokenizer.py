@@ -85,6 +85,9 @@ class Tokenizer:
         self.max_context = max_context  # None: the model states no limit
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         vocab: dict[str, int] = tokenizer.get_vocab()
+        # No token spans more characters than its vocabulary entry has (a byte-level entry has
+        # a character per byte): a prompt needs at least len(text) / this many tokens.
+        self.max_token_chars = max((len(t) for t in vocab), default=1)
         # Tokens whose text depends on the tokens after them (bytes grouped into characters).
         self.byte_token_ids = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
         self.special_token_ids = frozenset(

@@ -16,6 +16,11 @@ from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
+# Text is refused untokenized past this many times the characters the context's tokens can
+# span at most (twice over: a normalizer may join characters): tokenizing megabytes takes
+# seconds, and every other request waits for the tokenizer meanwhile.
+TEXT_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -63,17 +68,28 @@ def _stop(req: GenerateInput) -> tuple[str, ...]:
     return tuple(req.stop)
 
 
-def _chat_ids(req: GenerateInput, tokenizer: Tokenizer) -> list[int]:
+def _check_length(field: str, chars: int, tokenizer: Tokenizer, context: int | None) -> None:
+    """Refuse text too long to fit `context` tokens before spending time tokenizing it."""
+    if context is not None and chars > context * tokenizer.max_token_chars * TEXT_SLACK:
+        raise _invalid(field, f"{chars} characters", f"far longer than the model's context of "
+                       f"{context} tokens can hold (no token spans more than "
+                       f"{tokenizer.max_token_chars} characters)")
+
+
+def _chat_ids(req: GenerateInput, tokenizer: Tokenizer, context: int | None) -> list[int]:
     for i, message in enumerate(req.messages):
-        if not message.role:
-            raise _invalid(f"messages[{i}].role", message.role, "a role is required")
+        if message.role not in CHAT_ROLES:
+            raise _invalid(f"messages[{i}].role", message.role,
+                           f"expected one of {', '.join(CHAT_ROLES)}")
+    _check_length("messages", sum(len(m.content) for m in req.messages), tokenizer, context)
     try:
         return tokenizer.encode_chat([(m.role, m.content) for m in req.messages])
     except ChatTemplateError as exc:
         raise _invalid("messages", f"{len(req.messages)} messages", str(exc)) from None
 
 
-def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int]]:
+def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer, context: int | None
+                ) -> tuple[str, list[int]]:
     inputs = {"prompt": req.prompt[:40], "token_ids": f"{len(req.token_ids)} ids",
               "messages": f"{len(req.messages)} messages"}
     given = [name for name in inputs if getattr(req, name)]
@@ -81,7 +97,7 @@ def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int
         raise _invalid(given[0], inputs[given[0]], f"give only one of prompt, token_ids and "
                        f"messages, not {' and '.join(given)}")
     if req.messages:
-        return "messages", _chat_ids(req, tokenizer)
+        return "messages", _chat_ids(req, tokenizer, context)
     if req.token_ids:
         ids = list(req.token_ids)
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
@@ -93,6 +109,7 @@ def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer) -> tuple[str, list[int
     if not req.prompt:
         raise _invalid("prompt", req.prompt,
                        "a non-empty prompt, token_ids or messages is required")
+    _check_length("prompt", len(req.prompt), tokenizer, context)
     ids = tokenizer.encode(req.prompt)
     if not ids:
         raise _invalid("prompt", req.prompt[:40], "the prompt encodes to no tokens")
@@ -132,8 +149,8 @@ def validate(req: GenerateInput, tokenizer: Tokenizer, model_name: str, *,
     request_id = _request_id(req.request_id)
     sampling = _sampling(req)
     stop = _stop(req)
-    field, ids = _prompt_ids(req, tokenizer)
     context = tokenizer.max_context if max_model_len is None else max_model_len
+    field, ids = _prompt_ids(req, tokenizer, context)
     max_tokens = fit_context(field, len(ids), req.max_tokens, context)
     if max_tokens != sampling.max_tokens:
         sampling = replace(sampling, max_tokens=max_tokens)

@@ -125,8 +125,13 @@ def test_errors_come_in_openai_shape_naming_the_field(stack, client):
     status, body = _post(stack, "/completions", json.dumps({"prompt": [10**9]}).encode())
     assert status == 400 and body["error"]["param"] == "prompt"
     assert "outside the vocabulary" in body["error"]["message"]
+    # 3 MB of prompt: refused at once, untokenized (tokenizing it held up everyone for seconds)
+    huge = json.dumps({"prompt": "hello " * 500_000}).encode()
+    status, body = _post(stack, "/completions", huge)
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert "far longer than the model's context" in body["error"]["message"]
     scraped = stack.scrape("router")
-    assert total(scraped, "pdserve_requests_total", api="http", code="INVALID_ARGUMENT") >= 5
+    assert total(scraped, "pdserve_requests_total", api="http", code="INVALID_ARGUMENT") >= 6
     assert total(scraped, "pdserve_requests_total", api="http", code="NOT_FOUND") == 1
     # The service keeps serving, and says so on /health.
     assert client.completions.create(model="builtin-tiny", prompt="x", max_tokens=2).usage

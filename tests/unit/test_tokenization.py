@@ -89,6 +89,8 @@ def test_a_model_without_chat_template_refuses_messages_naming_the_field(tmp_pat
 @pytest.mark.parametrize("fields, needle", [
     ({"messages": (ChatMessage("system", "be brief"),)}, "alternate"),
     ({"messages": (ChatMessage("", "hi"),)}, "messages[0].role=''"),
+    ({"messages": (ChatMessage("robot", "hi"),)},  # as the HTTP API refuses it
+     "messages[0].role='robot': expected one of system, developer, user, assistant, tool"),
     ({"messages": (ChatMessage("user", "hi"),), "prompt": "hi"}, "not prompt and messages"),
 ])
 def test_bad_chats_are_invalid_argument(model_kinds, fields, needle):
@@ -96,6 +98,21 @@ def test_bad_chats_are_invalid_argument(model_kinds, fields, needle):
     with pytest.raises(InvalidArgument) as err:
         validate(GenerateInput(**fields), tok, "m")
     assert needle in err.value.message
+
+
+def test_text_far_past_the_context_is_refused_before_it_is_tokenized(tmp_path, monkeypatch):
+    tok = Tokenizer.from_dir(make_model_dir(tmp_path))
+    most = 64 * tok.max_token_chars * 2  # a 64-token context; twice over for normalizers
+    encoded: list[int] = []
+    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or [1] * 80)
+    with pytest.raises(InvalidArgument) as err:
+        validate(GenerateInput(prompt="a" * (most + 1)), tok, "m", max_model_len=64)
+    assert err.value.message.startswith(f"prompt='{most + 1} characters': far longer than the "
+                                        "model's context of 64 tokens can hold")
+    assert encoded == []  # never tokenized
+    with pytest.raises(InvalidArgument) as err:  # within the bound: tokenized, then counted
+        validate(GenerateInput(prompt="a" * most), tok, "m", max_model_len=64)
+    assert encoded == [most] and "shorter than the model's context of 64" in err.value.message
 
 
 def _random_ids(rng: random.Random, tok: Tokenizer, hf) -> list[int]:
