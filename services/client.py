@@ -83,16 +83,22 @@ def breakdown(t: router_pb2.Timing) -> str:
         f"TTFT {t.ttft_ms:.1f} ms = queue {t.queue_ms:.1f} + prefill {t.prefill_ms:.1f} + "
         f"kv_transfer {t.kv_transfer_ms:.1f} + decode_start {t.decode_start_ms:.1f} "
         f"(+ {max(0.0, t.ttft_ms - parts):.1f} router/network)",
-        (f"KV handoff: {t.kv_pages} of {t.prompt_pages or t.kv_pages} prompt pages, "
-         f"{t.kv_bytes:,} bytes over {t.kv_transport or '-'} "
-         f"(moving them took {t.kv_transfer_total_ms:.1f} ms); "
-         if t.prefill_on != "decode" else
-         "no KV handoff: the decode worker prefilled the uncached part itself; ")
-        + f"prefill {t.prefill_worker or '-'}, decode {t.decode_worker or '-'}",
+        f"{_handoff(t)}; prefill {t.prefill_worker or '-'}, decode {t.decode_worker or '-'}",
         f"prefix cache: {t.cached_tokens} prompt tokens reused (prefill held "
         f"{t.prefill_cached_tokens}, decode held {t.decode_cached_tokens})",
         *(_rank_line(r) for r in t.kv_ranks),
     ])
+
+
+def _handoff(t: router_pb2.Timing) -> str:
+    """How the prompt's KV reached the decode side."""
+    if t.kv_transport == "local":
+        return "no KV handoff: one co-located engine prefilled and decodes"
+    if t.prefill_on == "decode":
+        return "no KV handoff: the decode worker prefilled the uncached part itself"
+    return (f"KV handoff: {t.kv_pages} of {t.prompt_pages or t.kv_pages} prompt pages, "
+            f"{t.kv_bytes:,} bytes over {t.kv_transport or '-'} "
+            f"(moving them took {t.kv_transfer_total_ms:.1f} ms)")
 
 
 _RELAYOUT = {"": "as laid out", "receiver": "re-laid out in the receiver's copy",
