@@ -101,7 +101,7 @@ class HttpApi:
         if self._ready():
             return ""
         why = self._unready_reason() if self._unready_reason is not None else ""
-        return f"not ready: {why or 'no healthy prefill and decode worker yet'}"
+        return f"not ready: {why or 'no healthy prefill and decode worker'}"
 
     async def health(self, request: Request) -> Response:
         why = self._unready()

@@ -299,7 +299,7 @@ class WorkerPool:
             seen = "; ".join(f"{w.address}: {w.last_error or 'not checked yet'}"
                              for w in mine[:3])
             more = f"; {len(mine) - 3} more" if len(mine) > 3 else ""
-            missing.append(f"no healthy {role} worker yet ({seen}{more})")
+            missing.append(f"no healthy {role} worker ({seen}{more})")
         return "; ".join(missing)
 
     def max_model_len(self) -> int | None:
