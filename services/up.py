@@ -21,13 +21,14 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdserve.certs import CertPaths, create
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
 from pdserve.common.models import DEFAULT_MODEL
+from pdserve.common.ports import free_port
 from pdserve.common.security import ChannelSecurity
 from pdserve.processes import Proc, Stack, port_conflicts
 
@@ -161,7 +162,8 @@ def plan(cfg: UpConfig, model_dir: Path, model_name: str) -> list[Proc]:
     procs = _plan(cfg, model_dir, model_name)
     cores = cfg.cpu_plan()
     for p in procs:
-        p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name))
+        # "Any free port" is picked here, so the banner can say which.
+        p.metrics_port = cfg.metrics_port_of(metrics_offset(p.name)) or free_port()
         p.ports = [int(p.address.rsplit(":", 1)[1]),
                    *([p.metrics_port] if p.metrics_port > 0 else []),
                    *([cfg.http_port] if p.name == "router" and cfg.http_port > 0 else [])]
@@ -258,8 +260,6 @@ def _banner(router: str, procs: list[Proc], cfg: UpConfig) -> str:
         grpcurl += " -H \"authorization: Bearer $PDSERVE_API_KEY\""
     metrics = [f"    {p.name:<12} http://127.0.0.1:{p.metrics_port}/metrics" for p in procs
                if p.metrics_port > 0]
-    if any(p.metrics_port == 0 for p in procs):
-        metrics = ["    on free ports: see each process's log"]
     pinned = [f"    {p.name:<12} cores {format_cpu_list(p.cpus)}" for p in procs if p.cpus]
     return "\n".join([
         f"pdserve is up. Router: {router}",
@@ -284,8 +284,6 @@ def _http_lines(router: str, cfg: UpConfig) -> list[str]:
     host = router.rsplit(":", 1)[0]
     scheme, flags = ("https", f" --cacert {shlex.quote(str(CertPaths(Path(cfg.tls)).ca))}"
                      ) if cfg.tls else ("http", "")
-    if cfg.http_port == 0:
-        return [f"  OpenAI-compatible API: {scheme}://{host}:<free port: see the router's log>/v1"]
     url = f"{scheme}://{host}:{cfg.http_port}/v1"
     if cfg.api_key_file:
         flags += ' -H "Authorization: Bearer $PDSERVE_API_KEY"'
@@ -314,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"pdserve up: --model: {exc}", file=sys.stderr)
         return 2
+    if cfg.http_port == 0:  # picked here, so the banner can say which
+        cfg = replace(cfg, http_port=free_port())
     conflicts = port_conflicts(plan(cfg, Path(cfg.model), ref.name))  # before any model work
     if conflicts:
         print(f"pdserve up: {'; '.join(conflicts)}. Is another pdserve up running? --port, "

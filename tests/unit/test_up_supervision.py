@@ -48,6 +48,16 @@ def test_up_plans_every_fixed_port_and_catches_pools_that_overlap():
     assert port_conflicts(plan(UpConfig(http_port=0, metrics_port=-1), Path("m"), "m")) == []
 
 
+def test_any_free_metrics_port_is_picked_by_up_so_its_banner_names_it():
+    from pdserve.up import _banner
+
+    procs = plan(UpConfig(metrics_port=0, http_port=free_port()), Path("m"), "m")
+    assert all(p.metrics_port > 0 and p.metrics_port in p.ports for p in procs)
+    banner = _banner("127.0.0.1:50051", procs, UpConfig(metrics_port=0))
+    for p in procs:
+        assert f"{p.name:<12} http://127.0.0.1:{p.metrics_port}/metrics" in banner
+
+
 def test_ports_out_of_range_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match=r"port=70000: expected 1\.\.65535"):
         UpConfig(port=70000)
