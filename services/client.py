@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from pdserve.common.sampling import SamplingParams
 from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -123,14 +124,28 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "localhost:50051"),
         help="router host:port (env PDSERVE_ROUTER_ADDRESS; default localhost:50051)",
     )
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--seed", type=int)
+    server = SamplingParams()  # what the router fills in for a field left unset
+    parser.add_argument("--max-tokens", type=int,
+                        help=f"most tokens to generate (server default {server.max_tokens}, "
+                             "lowered to what the context leaves)")
+    parser.add_argument("--temperature", type=float,
+                        help=f"0 = greedy (server default {server.temperature})")
+    parser.add_argument("--top-p", type=float,
+                        help=f"nucleus sampling: keep the most likely tokens up to this "
+                             f"probability, in (0, 1] (server default {server.top_p}: off)")
+    parser.add_argument("--top-k", type=int,
+                        help=f"keep the k most likely tokens (server default {server.top_k}: "
+                             "off)")
+    parser.add_argument("--seed", type=int,
+                        help="seed of this request's sampling, for repeatable output "
+                             "(server default: none, a fresh draw)")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--request-id")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past the end-of-sequence token, up to "
+                             "--max-tokens (default: stop at it)")
+    parser.add_argument("--request-id",
+                        help="the request's id in logs, traces and metrics (default: one the "
+                             "router makes up)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
     parser.add_argument(
         "--json", action="store_true", help="print every stream message as a JSON line"
