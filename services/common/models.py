@@ -26,10 +26,18 @@ BUILTIN_MODELS = (SMOLLM2, *BUILTIN_SIZES)
 DEFAULT_MODEL = SMOLLM2
 
 
+def builtin_models_help() -> str:
+    """The built-in models as `--model` help lists them (from BUILTIN_MODELS, never a second
+    list by hand)."""
+    sizes = [name for name in BUILTIN_MODELS if name in BUILTIN_SIZES]
+    return (f"{SMOLLM2} ({SMOLLM2_NAME}, trained), {', '.join(sizes)} (random weights, "
+            "for tests and benchmarks)")
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A resolved `--model`: its served name, and either a built-in model (`builtin_size`:
-    tiny, small or smollm2) or a directory."""
+    one of BUILTIN_MODELS) or a directory."""
 
     name: str
     builtin_size: str | None = None
