@@ -29,7 +29,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
                409: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error"}
-_FIELD = re.compile(r"^([a-z_]+)=")
+_FIELD = re.compile(r"^([a-z_]+)(?:=| of \d)")  # `max_tokens=0: ...`, `prompt of 9 tokens: ...`
 _PARAMS = {"token_ids": "prompt"}  # lifecycle field -> the HTTP request's field
 
 

@@ -115,6 +115,8 @@ def test_bodies_that_are_not_a_json_object_are_refused(raw, words):
 def test_lifecycle_errors_map_to_http_statuses_naming_the_field():
     status, body = service_error_body("INVALID_ARGUMENT", "token_ids=99999: token id outside")
     assert status == 400 and body["error"]["param"] == "prompt"
+    _, body = service_error_body("INVALID_ARGUMENT", "messages of 1 message: no chat template")
+    assert body["error"]["param"] == "messages"
     assert body["error"]["code"] == "invalid_argument"
     assert service_error_body("RESOURCE_EXHAUSTED", "no pages")[0] == 429
     assert service_error_body("UNAVAILABLE", "draining")[0] == 503
