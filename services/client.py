@@ -78,6 +78,28 @@ def security_from_args(args: argparse.Namespace) -> ChannelSecurity | None:
                            server_name=args.tls_server_name)
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type of --timeout: a number of seconds > 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+    return seconds
+
+
+def connect_hint(code: grpc.StatusCode, details: str, *, tls: bool) -> str:
+    """What to check when the call never reached the router (UNAVAILABLE on connect): nothing
+    listening at the address, or a TLS port called in plaintext (which the router closes:
+    `Socket closed`). "" for every other failure."""
+    if code != grpc.StatusCode.UNAVAILABLE or "failed to connect" not in details:
+        return ""
+    if "Connection refused" in details:
+        return " (is a router running at --address?)"
+    return "" if tls else " (is the router serving TLS? try --tls / --tls-ca)"
+
+
 def breakdown(t: router_pb2.Timing) -> str:
     parts = t.queue_ms + t.prefill_ms + t.kv_transfer_ms + t.decode_start_ms
     return "\n".join([
@@ -146,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-id",
                         help="the request's id in logs, traces and metrics (default: one the "
                              "router makes up)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    parser.add_argument("--timeout", type=positive_seconds, default=300.0,
+                        help="seconds the whole request may take, > 0 (default 300)")
     parser.add_argument(
         "--json", action="store_true", help="print every stream message as a JSON line"
     )
@@ -183,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"ITL mean {f.itl_mean_ms:.1f} / max {f.itl_max_ms:.1f} ms"
                 )
     except grpc.RpcError as exc:
-        print(f"\npdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        details = exc.details() or ""
+        print(f"\npdserve generate: {exc.code().name}: {details}"
+              f"{connect_hint(exc.code(), details, tls=security_from_args(args) is not None)}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -7,9 +7,12 @@ import json
 import shutil
 import socket
 import subprocess
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
+from pdserve import certs, client
 
 from tests.support import pdserve_argv
 
@@ -74,3 +77,17 @@ def test_model_create_into_a_full_directory_names_it(tmp_path):
     assert done.returncode == 2
     _assert_one_clean_error(done, f"{tmp_path / 'taken'} exists and is not empty")
     assert (tmp_path / "taken" / "file").read_text() == "mine"
+
+
+def test_generate_in_plaintext_against_a_tls_router_hints_at_tls(tmp_path, capsys):
+    paths = certs.create(tmp_path / "certs", hosts=["127.0.0.1"])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(paths.server_key.read_bytes(), paths.server_cert.read_bytes())]))
+    server.start()
+    try:
+        assert client.main(["--address", f"127.0.0.1:{port}", "--timeout", "10", "hi"]) == 1
+    finally:
+        server.stop(0)
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "is the router serving TLS? try --tls / --tls-ca" in err

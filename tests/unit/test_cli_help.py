@@ -3,6 +3,7 @@ defaults of `pdserve generate`, and the built-in models as the one registry list
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from pdserve import cli, client
 from pdserve.common.config import LOG_LEVELS, build_parser, parse_config
@@ -92,3 +93,29 @@ def test_pdserve_help_lists_every_model_command(capsys):
                 if line.strip().startswith("model "))
     assert "model create" in line and "model ensure" in line
     assert "|".join(BUILTIN_MODELS) in line
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "soon"])
+def test_generate_refuses_a_timeout_that_is_not_positive(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        client.main(["--timeout", value, "hi"])
+    assert exit_info.value.code == 2
+    assert f"argument --timeout: '{value}'" in capsys.readouterr().err
+
+
+REFUSED = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed "
+           "to connect to remote host: Connection refused")
+CLOSED = ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:9: "
+          "Socket closed")
+
+
+@pytest.mark.parametrize("code, details, tls, hint", [
+    (grpc.StatusCode.UNAVAILABLE, CLOSED, False, "try --tls / --tls-ca"),
+    (grpc.StatusCode.UNAVAILABLE, CLOSED, True, ""),  # already TLS: the details say the rest
+    (grpc.StatusCode.UNAVAILABLE, REFUSED, False, "is a router running at --address?"),
+    (grpc.StatusCode.UNAVAILABLE, "no decode worker is ready", False, ""),  # the router's own
+    (grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=0: must be > 0", False, ""),
+])
+def test_generate_hints_at_why_it_could_not_connect(code, details, tls, hint):
+    got = client.connect_hint(code, details, tls=tls)
+    assert (hint in got) if hint else got == ""
