@@ -11,6 +11,8 @@ import importlib.util
 import os
 import sys
 
+from pdserve.common.models import BUILTIN_MODELS
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.up", "run the whole stack on this machine (router, prefill, decode, agents)"),
     "generate": ("pdserve.client",
@@ -29,7 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                         "profile for pdserve plan and pdserve sim"),
     "certs": ("pdserve.certs", "make a throwaway CA and certificates: pdserve certs create DIR"),
     "model": ("pdserve.engine.builtin",
-              "create a built-in model: pdserve model create tiny|small|bench-7m|bench-152m DIR"),
+              f"a built-in model ({'|'.join(BUILTIN_MODELS)}): pdserve model create NAME "
+              "DIR, or pdserve model ensure NAME (the cached copy, made if missing)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.bench.engine", "engine decode throughput vs transformers"),

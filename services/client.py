@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from pdserve.common.sampling import SamplingParams
 from pdserve.common.security import AUTH_HEADER, ChannelSecurity, open_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -77,6 +78,28 @@ def security_from_args(args: argparse.Namespace) -> ChannelSecurity | None:
                            server_name=args.tls_server_name)
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type of --timeout: a number of seconds > 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0")
+    return seconds
+
+
+def connect_hint(code: grpc.StatusCode, details: str, *, tls: bool) -> str:
+    """What to check when the call never reached the router (UNAVAILABLE on connect): nothing
+    listening at the address, or a TLS port called in plaintext (which the router closes:
+    `Socket closed`). "" for every other failure."""
+    if code != grpc.StatusCode.UNAVAILABLE or "failed to connect" not in details:
+        return ""
+    if "Connection refused" in details:
+        return " (is a router running at --address?)"
+    return "" if tls else " (is the router serving TLS? try --tls / --tls-ca)"
+
+
 def breakdown(t: router_pb2.Timing) -> str:
     parts = t.queue_ms + t.prefill_ms + t.kv_transfer_ms + t.decode_start_ms
     return "\n".join([
@@ -129,15 +152,30 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "localhost:50051"),
         help="router host:port (env PDSERVE_ROUTER_ADDRESS; default localhost:50051)",
     )
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--seed", type=int)
+    server = SamplingParams()  # what the router fills in for a field left unset
+    parser.add_argument("--max-tokens", type=int,
+                        help=f"most tokens to generate (server default {server.max_tokens}, "
+                             "lowered to what the context leaves)")
+    parser.add_argument("--temperature", type=float,
+                        help=f"0 = greedy (server default {server.temperature})")
+    parser.add_argument("--top-p", type=float,
+                        help=f"nucleus sampling: keep the most likely tokens up to this "
+                             f"probability, in (0, 1] (server default {server.top_p}: off)")
+    parser.add_argument("--top-k", type=int,
+                        help=f"keep the k most likely tokens (server default {server.top_k}: "
+                             "off)")
+    parser.add_argument("--seed", type=int,
+                        help="seed of this request's sampling, for repeatable output "
+                             "(server default: none, a fresh draw)")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--request-id")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past the end-of-sequence token, up to "
+                             "--max-tokens (default: stop at it)")
+    parser.add_argument("--request-id",
+                        help="the request's id in logs, traces and metrics (default: one the "
+                             "router makes up)")
+    parser.add_argument("--timeout", type=positive_seconds, default=300.0,
+                        help="seconds the whole request may take, > 0 (default 300)")
     parser.add_argument(
         "--json", action="store_true", help="print every stream message as a JSON line"
     )
@@ -174,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"ITL mean {f.itl_mean_ms:.1f} / max {f.itl_max_ms:.1f} ms"
                 )
     except grpc.RpcError as exc:
-        print(f"\npdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        details = exc.details() or ""
+        print(f"\npdserve generate: {exc.code().name}: {details}"
+              f"{connect_hint(exc.code(), details, tls=security_from_args(args) is not None)}",
+              file=sys.stderr)
         return 1
     return 0
 

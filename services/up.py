@@ -27,7 +27,7 @@ from pathlib import Path
 from pdserve.certs import CertPaths, create
 from pdserve.common.config import option, parse_config, require
 from pdserve.common.cpus import Partition, format_cpu_list, parse_cpu_list, partition
-from pdserve.common.models import DEFAULT_MODEL
+from pdserve.common.models import DEFAULT_MODEL, builtin_models_help
 from pdserve.common.ports import free_port
 from pdserve.common.security import ChannelSecurity
 from pdserve.processes import Proc, Stack, port_conflicts
@@ -37,9 +37,8 @@ OTLP_ENDPOINT = re.compile(r"(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):[0-9
 
 @dataclass(frozen=True)
 class UpConfig:
-    model: str = option(DEFAULT_MODEL, "smollm2 (SmolLM2-135M-Instruct, converted once from "
-                                       "GGUF), tiny / small (random weights, for tests), or a "
-                                       "local Hugging Face directory")
+    model: str = option(DEFAULT_MODEL, "a local Hugging Face directory, or a built-in "
+                                       f"model: {builtin_models_help()}")
     prefill: int = option(1, "prefill workers")
     decode: int = option(1, "decode workers")
     transport: str = option("ucx", "KV transport between the agents", choices=("ucx", "tcp"))

@@ -23,6 +23,7 @@ import torch
 from pdserve.bench import engine_vllm
 from pdserve.bench.engine_run import random_prompts, run_engine
 from pdserve.engine.model import load_model, resolve_dtype
+from pdserve.worker.config import DTYPES
 
 
 def _hf_generate(hf: Any, batch: list[list[int]], out_tokens: int) -> float:
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None,
                         help="a built-in size (tiny, small, bench-7m, bench-152m) or a Hugging "
                              "Face model directory (default tiny)")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights and KV dtype (default auto: fp32 on CPU)")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated (default 1,8,32)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)

@@ -85,6 +85,16 @@ def _converter(hint: Any) -> tuple[Callable[[str], Any], bool]:
     raise TypeError(f"unsupported config field type {hint!r}")
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """str -> the choice it names, whatever its case (`--log-level debug` is DEBUG); other
+    text unchanged, for argparse to refuse with the list of choices."""
+    by_lower = {choice.lower(): choice for choice in choices}
+
+    def convert(text: str) -> str:
+        return by_lower.get(text.strip().lower(), text)
+    return convert
+
+
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(value) or "(none)"
@@ -117,11 +127,12 @@ def build_parser(cls: type, service: str, *, env: Mapping[str, str] | None = Non
                                   "help": help_text.replace("%", "%%")}
         if convert is _parse_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.metadata.get("choices"):  # shown as {a,b,c} in the usage and in --help
+            kwargs["choices"] = choices = tuple(f.metadata["choices"])
+            kwargs["type"] = _one_of(choices) if convert is str else convert
         else:
             kwargs["type"] = convert
             kwargs["metavar"] = f.name.upper()
-            if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
     return parser
 

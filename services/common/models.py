@@ -12,9 +12,11 @@ Hugging Face directory (served under the directory's name). The built-in models:
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BUILTIN_SIZES = ("tiny", "small", "bench-7m", "bench-152m")  # random weights
 BUILTIN_PREFIX = "builtin-"
@@ -24,10 +26,18 @@ BUILTIN_MODELS = (SMOLLM2, *BUILTIN_SIZES)
 DEFAULT_MODEL = SMOLLM2
 
 
+def builtin_models_help() -> str:
+    """The built-in models as `--model` help lists them (from BUILTIN_MODELS, never a second
+    list by hand)."""
+    sizes = [name for name in BUILTIN_MODELS if name in BUILTIN_SIZES]
+    return (f"{SMOLLM2} ({SMOLLM2_NAME}, trained), {', '.join(sizes)} (random weights, "
+            "for tests and benchmarks)")
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A resolved `--model`: its served name, and either a built-in model (`builtin_size`:
-    tiny, small or smollm2) or a directory."""
+    one of BUILTIN_MODELS) or a directory."""
 
     name: str
     builtin_size: str | None = None
@@ -60,3 +70,16 @@ def cache_dir() -> Path:
     """Where built-in models are created: `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
     env = os.environ.get("PDSERVE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "pdserve"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A model directory's JSON file (config.json, generation_config.json) as a dict; a
+    ValueError naming the file when it is not a JSON object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not valid JSON: a JSON object was expected, not "
+                         f"{type(data).__name__}")
+    return data

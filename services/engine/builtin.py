@@ -329,10 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     to_stderr = functools.partial(print, file=sys.stderr, flush=True)
-    if args.command == "ensure":
-        path = ensure(args.size, cache_dir=args.cache_dir, progress=to_stderr)
-    else:
-        path = create(args.size, args.out_dir, progress=to_stderr)
+    try:
+        if args.command == "ensure":
+            path = ensure(args.size, cache_dir=args.cache_dir, progress=to_stderr)
+        else:
+            path = create(args.size, args.out_dir, progress=to_stderr)
+    except OSError as exc:  # DIR exists and is not empty, or cannot be written
+        to_stderr(f"pdserve model {args.command}: error: {exc}")
+        return 2
     print(path.resolve())
     return 0
 

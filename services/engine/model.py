@@ -13,7 +13,6 @@ token only.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -21,6 +20,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 from pdserve.common.layout import LayoutFingerprint
+from pdserve.common.models import read_json
 from pdserve.engine import kernels
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.batch import Batch
@@ -63,8 +63,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{model_dir} is not a Hugging Face model directory (no config.json)"
         )
-    config: dict[str, Any] = json.loads(path.read_text())
-    return config
+    return read_json(path)
 
 
 def check_architecture(config: dict[str, Any], model_dir: Path) -> str:

@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.common.config import option, parse_config, require
-from pdserve.common.models import DEFAULT_MODEL
+from pdserve.common.models import DEFAULT_MODEL, builtin_models_help
 from pdserve.plan.fit import Fit, fit_nonnegative, fit_wake
 from pdserve.plan.replay import Check, check
 from pdserve.plan.workload import Workload
 from pdserve.sim.profile import SimProfile
+from pdserve.worker.config import DTYPES
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
@@ -52,8 +53,8 @@ class ProfileConfig:
     """Options of `pdserve profile` (each also PDSERVE_PROFILE_<NAME>)."""
 
     model: str = option(DEFAULT_MODEL, "a local Hugging Face model directory, or a built-in "
-                                       "model (smollm2, tiny, small, bench-7m, bench-152m)")
-    dtype: str = option("auto", "weights and KV dtype, as the workers' --dtype")
+                                       f"model: {builtin_models_help()}")
+    dtype: str = option("auto", "weights and KV dtype, as the workers' --dtype", choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     threads: int = option(0, "torch threads (0: this process's CPU allowance, as a worker)")
     block_size: int = option(16, "tokens per KV page")

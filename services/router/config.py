@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.common.config import METRICS_PORT_HELP, ServerConfig, option, require
+from pdserve.common.models import DEFAULT_MODEL, builtin_models_help
 from pdserve.common.stream_interval import MAX_INTERVAL
 from pdserve.router.cache_index import MAX_PAGES
 from pdserve.router.placement import Weights
@@ -35,9 +36,9 @@ class RouterConfig(ServerConfig):
                                         "tells the others where it placed prompts, so their "
                                         "prefix-cache indexes know before the workers' own "
                                         "events arrive (seconds apart past 128 workers)")
-    model: str | None = option(None, "Hugging Face model directory (its tokenizer and config "
-                                     "are read), or a built-in model (smollm2, tiny, small); "
-                                     "default: smollm2")
+    model: str = option(DEFAULT_MODEL, "Hugging Face model directory (its tokenizer and config "
+                                       "are read), or a built-in model: "
+                                       f"{builtin_models_help()}")
     model_name: str | None = option(None, "the served model's name (default: the directory "
                                           "name, SmolLM2-135M-Instruct, or builtin-<size>)")
     max_retries: int = option(1, "retries on other workers before the first token")
@@ -108,7 +109,8 @@ class RouterConfig(ServerConfig):
                 parse_target(entry)
             except ValueError as exc:
                 raise ValueError(f"peers={entry!r}: {exc}") from None
-        require(self.model is None or bool(self.model), "model", self.model, "a directory")
+        require(bool(self.model.strip()), "model", self.model,
+                "a model directory or a built-in model")
         require(not self.api_key_file or os.path.isfile(self.api_key_file), "api_key_file",
                 self.api_key_file, "a readable file of API keys")
         require(-1 <= self.http_port <= 65535, "http_port", self.http_port,

@@ -29,7 +29,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
                409: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error"}
-_FIELD = re.compile(r"^([a-z_]+)=")
+_FIELD = re.compile(r"^([a-z_]+)(?:=| of \d)")  # `max_tokens=0: ...`, `prompt of 9 tokens: ...`
 _PARAMS = {"token_ids": "prompt"}  # lifecycle field -> the HTTP request's field
 
 
@@ -46,8 +46,15 @@ def retry_headers(status: int) -> dict[str, str]:
 def error_body(status: int, message: str, *, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code}}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error type of an HTTP status: any other 4xx (405 a method not allowed, ...) is
+    the client's request, a 5xx the server's."""
+    return ERROR_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500
+                                       else "server_error")
 
 
 def service_error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:

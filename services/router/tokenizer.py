@@ -19,7 +19,6 @@ imported only when a tokenizer is loaded.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -27,6 +26,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from pdserve.common.models import read_json
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte-fallback tokens (sentencepiece style)
@@ -49,9 +50,7 @@ def hide_torch() -> None:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
+    return read_json(path)
 
 
 def _ids(value: Any) -> list[int]:

@@ -1,7 +1,8 @@
 """A client's `GenerateInput` -> a validated `Generation` with every default filled in.
 
 Each rejection is `InvalidArgument` whose message starts with the field name and its bad value,
-e.g. `max_tokens=0: must be > 0`.
+e.g. `max_tokens=0: must be > 0`, or its size where that is what is wrong, e.g.
+`prompt of 10001 tokens: the prompt must be shorter than ...`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def _invalid(name: str, value: object, rule: str) -> InvalidArgument:
     return InvalidArgument(f"{name}={value!r}: {rule}")
 
 
+def _invalid_size(name: str, size: str, rule: str) -> InvalidArgument:
+    """`prompt of 10001 tokens: ...`: a field refused for its size (`counted(10001, "token")`)."""
+    return InvalidArgument(f"{name} of {size}: {rule}")
+
+
+def counted(n: int, noun: str) -> str:
+    """`counted(1, "token")` is `1 token`, `counted(2, "token")` is `2 tokens`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _request_id(value: str) -> str:
     if not value:
         return uuid.uuid4().hex
@@ -61,7 +72,8 @@ def _sampling(req: GenerateInput) -> SamplingParams:
 
 def _stop(req: GenerateInput) -> tuple[str, ...]:
     if len(req.stop) > MAX_STOP_STRINGS:
-        raise _invalid("stop", f"{len(req.stop)} strings", f"at most {MAX_STOP_STRINGS}")
+        raise _invalid_size("stop", counted(len(req.stop), "string"),
+                            f"at most {MAX_STOP_STRINGS}")
     for text in req.stop:
         if not text:
             raise _invalid("stop", text, "stop strings must not be empty")
@@ -71,9 +83,10 @@ def _stop(req: GenerateInput) -> tuple[str, ...]:
 def _check_length(field: str, chars: int, tokenizer: Tokenizer, context: int | None) -> None:
     """Refuse text too long to fit `context` tokens before spending time tokenizing it."""
     if context is not None and chars > context * tokenizer.max_token_chars * TEXT_SLACK:
-        raise _invalid(field, f"{chars} characters", f"far longer than the model's context of "
-                       f"{context} tokens can hold (no token spans more than "
-                       f"{tokenizer.max_token_chars} characters)")
+        raise _invalid_size(field, counted(chars, "character"),
+                            f"far longer than the model's context of {context} tokens can "
+                            f"hold (no token spans more than {tokenizer.max_token_chars} "
+                            "characters)")
 
 
 def _chat_ids(req: GenerateInput, tokenizer: Tokenizer, context: int | None) -> list[int]:
@@ -85,17 +98,17 @@ def _chat_ids(req: GenerateInput, tokenizer: Tokenizer, context: int | None) -> 
     try:
         return tokenizer.encode_chat([(m.role, m.content) for m in req.messages])
     except ChatTemplateError as exc:
-        raise _invalid("messages", f"{len(req.messages)} messages", str(exc)) from None
+        raise _invalid_size("messages", counted(len(req.messages), "message"), str(exc)) from None
 
 
 def _prompt_ids(req: GenerateInput, tokenizer: Tokenizer, context: int | None
                 ) -> tuple[str, list[int]]:
-    inputs = {"prompt": req.prompt[:40], "token_ids": f"{len(req.token_ids)} ids",
-              "messages": f"{len(req.messages)} messages"}
-    given = [name for name in inputs if getattr(req, name)]
+    given = [name for name in ("prompt", "token_ids", "messages") if getattr(req, name)]
     if len(given) > 1:
-        raise _invalid(given[0], inputs[given[0]], f"give only one of prompt, token_ids and "
-                       f"messages, not {' and '.join(given)}")
+        rule = f"give only one of prompt, token_ids and messages, not {' and '.join(given)}"
+        if given[0] == "prompt":
+            raise _invalid("prompt", req.prompt[:40], rule)
+        raise _invalid_size("token_ids", counted(len(req.token_ids), "id"), rule)
     if req.messages:
         return "messages", _chat_ids(req, tokenizer, context)
     if req.token_ids:
@@ -126,14 +139,15 @@ def fit_context(field: str, prompt_tokens: int, max_tokens: int | None,
     if context is None:
         return wanted
     if prompt_tokens >= context:
-        raise _invalid(field, f"{prompt_tokens} tokens",
-                       f"the prompt must be shorter than the model's context of {context} "
-                       "tokens (max_model_len)")
+        raise _invalid_size(field, counted(prompt_tokens, "token"),
+                            f"the prompt must be shorter than the model's context of "
+                            f"{counted(context, 'token')} (max_model_len)")
     total = prompt_tokens + wanted
     if max_tokens is not None and total > context:
         raise _invalid("max_tokens", max_tokens,
-                       f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                       f"exceeds the model's context of {context} tokens (max_model_len)")
+                       f"prompt ({counted(prompt_tokens, 'token')}) + max_tokens "
+                       f"({max_tokens}) = {total} exceeds the model's context of "
+                       f"{counted(context, 'token')} (max_model_len)")
     return min(wanted, context - prompt_tokens)
 
 

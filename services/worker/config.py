@@ -6,16 +6,15 @@ import ipaddress
 from dataclasses import dataclass
 
 from pdserve.common.config import ServerConfig, option, require
-from pdserve.common.models import DEFAULT_MODEL
+from pdserve.common.models import DEFAULT_MODEL, builtin_models_help
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class WorkerConfig(ServerConfig):
-    model: str = option(DEFAULT_MODEL,
-                        "a local Hugging Face model directory, or a built-in model: "
-                        "smollm2 (SmolLM2-135M-Instruct), tiny, small (random weights)")
+    model: str = option(DEFAULT_MODEL, "a local Hugging Face model directory, or a built-in "
+                                       f"model: {builtin_models_help()}")
     dtype: str = option("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")

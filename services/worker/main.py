@@ -18,7 +18,7 @@ from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import WorkerMetrics, serve_metrics
 from pdserve.common.security import ChannelSecurity, server_credentials
-from pdserve.common.server import start
+from pdserve.common.server import ServerStartError, start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.engine.loop import EngineLoop
 from pdserve.worker.agent_client import AgentClient
@@ -90,9 +90,7 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
          servicers: Callable[[W], Callable[[grpc.Server], None]]) -> int:
     import torch
     from pdserve.engine.setup import build_engine
-    from pdserve.engine.sizing import SizingError
     from pdserve.engine.tp import RankFailed, split_cores
-    from pdserve.engine.tp_shard import ShardingError
     from pdserve.worker.warmup import warm_up
 
     cores = None
@@ -113,8 +111,11 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
             prefix_caching=cfg.prefix_cache,
             prompts_beside_decodes=getattr(cfg, "prompts_beside_decodes", 0),  # not prefill's
             tp=cfg.tp, tp_cores=cores, tp_threads=threads)
-    except (SizingError, ShardingError, RankFailed) as exc:  # ranks stopped, no pool left
+    except (OSError, ValueError, RankFailed) as exc:  # ranks stopped, no pool left
+        # The model's name or directory, its config.json, its architecture, the pool's size
+        # (SizingError) or the TP split (ShardingError): one line, the traceback at DEBUG.
         log.error("%s cannot start: %s", worker_id, exc)
+        log.debug("%s: start-up failed", worker_id, exc_info=True)
         return 1
     log.info("%s: model %s from %s, %d pages of %d bytes, max_model_len %d, prefix cache %s, "
              "%d torch threads on cores %s%s", worker_id, engine.model.model_id, model_dir,
@@ -136,9 +137,13 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
     freeze_startup_heap(worker_id)  # the model's modules, the engine, the tokenizer
     metrics = serve_metrics(worker.metrics.registry, cfg.metrics_port, cfg.host, service=role)
     try:
-        handle = start(role, cfg.port, servicers(worker), host=cfg.host,
-                       ready=lambda: state.ready and not state.failed, grace_s=cfg.grace_s,
-                       on_drain=worker_drain(worker), credentials=server_credentials(cfg))
+        try:
+            handle = start(role, cfg.port, servicers(worker), host=cfg.host,
+                           ready=lambda: state.ready and not state.failed, grace_s=cfg.grace_s,
+                           on_drain=worker_drain(worker), credentials=server_credentials(cfg))
+        except ServerStartError as exc:  # names the port (in use, or not ours to bind)
+            log.error("%s", exc)
+            return 1
         state.stop = handle.request_stop
         worker.serving = handle.serving  # Stats says what health Check would
         if state.failed:

@@ -146,6 +146,7 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(front):
     assert status == 404 and "no route /v2/whatever" in json.loads(body)["error"]["message"]
     status, _, body = call(f"{url}/v1/completions")  # GET
     assert status == 405 and "method GET is not allowed" in json.loads(body)["error"]["message"]
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"  # the client's mistake
     status, _, body = call(f"{url}/v1/models/other")
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from pdserve.router.api import ChatMessage, Delta, Finish, GenerateInput, Timing
-from pdserve.router.http_format import Answer, service_error_body
+from pdserve.router.http_format import Answer, error_body, service_error_body
 from pdserve.router.http_schema import BadRequest, parse_chat, parse_completion, parse_json
 
 pytestmark = pytest.mark.unit
@@ -115,6 +115,8 @@ def test_bodies_that_are_not_a_json_object_are_refused(raw, words):
 def test_lifecycle_errors_map_to_http_statuses_naming_the_field():
     status, body = service_error_body("INVALID_ARGUMENT", "token_ids=99999: token id outside")
     assert status == 400 and body["error"]["param"] == "prompt"
+    _, body = service_error_body("INVALID_ARGUMENT", "messages of 1 message: no chat template")
+    assert body["error"]["param"] == "messages"
     assert body["error"]["code"] == "invalid_argument"
     assert service_error_body("RESOURCE_EXHAUSTED", "no pages")[0] == 429
     assert service_error_body("UNAVAILABLE", "draining")[0] == 503
@@ -122,6 +124,15 @@ def test_lifecycle_errors_map_to_http_statuses_naming_the_field():
     assert service_error_body("DEADLINE_EXCEEDED", "slow")[0] == 504
     assert service_error_body("INTERNAL", "bug") == (500, {"error": {
         "message": "bug", "type": "server_error", "param": None, "code": "internal"}})
+
+
+@pytest.mark.parametrize("status, kind", [(404, "invalid_request_error"),
+                                          (405, "invalid_request_error"),
+                                          (422, "invalid_request_error"),
+                                          (429, "rate_limit_error"), (500, "server_error"),
+                                          (503, "server_error")])
+def test_client_errors_are_typed_as_the_clients(status, kind):
+    assert error_body(status, "no")["error"]["type"] == kind
 
 
 EVENTS = [Delta("r1", "Hel", (5,)), Timing("r1", queue_ms=1.0, ttft_ms=9.0, kv_bytes=64,

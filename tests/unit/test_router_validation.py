@@ -6,7 +6,7 @@ import pytest
 from pdserve.common import wire
 from pdserve.common.errors import InvalidArgument
 from pdserve.common.layout import pages_for_tokens
-from pdserve.router.api import GenerateInput
+from pdserve.router.api import ChatMessage, GenerateInput
 from pdserve.router.placement import (
     DecodeLoad,
     PrefillLoad,
@@ -68,17 +68,24 @@ def test_explicit_values_kept(tok):
     ({"prompt": "hi", "token_ids": [3]}, "prompt="),
     ({"token_ids": [3, 100000]}, "token_ids=100000"),
     ({"token_ids": [3, -1]}, "token_ids=-1"),
-    ({"prompt": "the quick brown fox " * 20}, "prompt="),
-    ({"token_ids": list(range(2, 40))}, "token_ids='38 tokens'"),
+    ({"prompt": "the quick brown fox " * 20}, "prompt of "),
+    ({"token_ids": list(range(2, 40))}, "token_ids of 38 tokens: the prompt must be"),
     ({"prompt": "hi", "model": "gpt-9"}, "model='gpt-9'"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop=''"),
+    ({"prompt": "hi", "stop": ["s"] * 17}, "stop of 17 strings: at most 16"),
+    ({"messages": [ChatMessage("user", "hi")]},
+     "messages of 1 message: the model has no chat template"),
+    ({"messages": [ChatMessage("user", "hi")] * 2}, "messages of 2 messages: "),
+    ({"token_ids": [3], "messages": [ChatMessage("user", "hi")]},
+     "token_ids of 1 id: give only one of prompt, token_ids and messages"),
     ({"prompt": "hi", "request_id": "bad\nid"}, "request_id="),
 ])
 def test_invalid_requests_name_the_field(tok, kwargs, needle):
     with pytest.raises(InvalidArgument) as err:
         validate(request(**kwargs), tok, MODEL)
     assert err.value.code == "INVALID_ARGUMENT"
-    assert err.value.message.startswith(needle.split("=")[0] + "=")
+    field = needle.split("=")[0].split(" of ")[0]
+    assert err.value.message.startswith((field + "=", field + " of "))
     assert needle in err.value.message
 
 
@@ -90,11 +97,14 @@ def test_the_context_is_kept_not_clamped():
         fit_context("prompt", 10, 23, 32)
     assert err.value.message == ("max_tokens=23: prompt (10 tokens) + max_tokens (23) = 33 "
                                  "exceeds the model's context of 32 tokens (max_model_len)")
+    with pytest.raises(InvalidArgument) as err:
+        fit_context("prompt", 1, 32, 32)
+    assert err.value.message.startswith("max_tokens=32: prompt (1 token) + max_tokens (32)")
     assert fit_context("prompt", 10, None, 32) == 22
     assert fit_context("prompt", 10, None, 8192) == DEFAULT_MAX_TOKENS
     assert fit_context("prompt", 10, 10**6, None) == 10**6  # no limit known
     assert fit_context("token_ids", 31, 1, 32) == 1
-    with pytest.raises(InvalidArgument, match="token_ids='32 tokens': the prompt must be "
+    with pytest.raises(InvalidArgument, match="token_ids of 32 tokens: the prompt must be "
                                               "shorter than the model's context of 32"):
         fit_context("token_ids", 32, 1, 32)
 

@@ -83,7 +83,7 @@ def test_a_model_without_chat_template_refuses_messages_naming_the_field(tmp_pat
         tok.encode_chat([("user", "hi")])
     with pytest.raises(InvalidArgument) as err:
         validate(GenerateInput(messages=(ChatMessage("user", "hi"),)), tok, "m")
-    assert err.value.message.startswith("messages=") and "chat template" in err.value.message
+    assert err.value.message.startswith("messages of 1 message: ") and "chat template" in err.value.message
 
 
 @pytest.mark.parametrize("fields, needle", [
@@ -107,8 +107,8 @@ def test_text_far_past_the_context_is_refused_before_it_is_tokenized(tmp_path, m
     monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or [1] * 80)
     with pytest.raises(InvalidArgument) as err:
         validate(GenerateInput(prompt="a" * (most + 1)), tok, "m", max_model_len=64)
-    assert err.value.message.startswith(f"prompt='{most + 1} characters': far longer than the "
-                                        "model's context of 64 tokens can hold")
+    assert err.value.message.startswith(f"prompt of {most + 1} characters: far longer than "
+                                        "the model's context of 64 tokens can hold")
     assert encoded == []  # never tokenized
     with pytest.raises(InvalidArgument) as err:  # within the bound: tokenized, then counted
         validate(GenerateInput(prompt="a" * most), tok, "m", max_model_len=64)
