@@ -83,7 +83,8 @@ def test_a_model_without_chat_template_refuses_messages_naming_the_field(tmp_pat
         tok.encode_chat([("user", "hi")])
     with pytest.raises(InvalidArgument) as err:
         validate(GenerateInput(messages=(ChatMessage("user", "hi"),)), tok, "m")
-    assert err.value.message.startswith("messages of 1 message: ") and "chat template" in err.value.message
+    message = err.value.message
+    assert message.startswith("messages of 1 message: ") and "chat template" in message
 
 
 @pytest.mark.parametrize("fields, needle", [
