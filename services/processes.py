@@ -11,10 +11,8 @@ What runs, with which flags, is `pdserve up`'s plan (up.py).
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.common.health import wait_serving
+from pdserve.common.ports import listened_on
 from pdserve.common.security import ChannelSecurity
 
 PR_SET_PDEATHSIG = 1
@@ -137,21 +136,9 @@ def port_conflicts(procs: list[Proc]) -> list[str]:
                 problems.append(f"port {port} is planned for both {owner[port]} and {p.name}")
                 continue
             owner[port] = p.name
-            if _listened_on(port):
+            if listened_on(port):
                 problems.append(f"port {port} ({p.name}) is already in use")
     return problems
-
-
-def _listened_on(port: int) -> bool:
-    """Whether binding 0.0.0.0:`port`, as the services do, fails because it is taken
-    (SO_REUSEADDR: a port a stopped stack left in TIME_WAIT counts as free, as for them)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
 
 
 def _stop_tier(name: str) -> int:

@@ -11,6 +11,7 @@ handed out twice by one process.
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import threading
@@ -38,6 +39,18 @@ def listener_range() -> tuple[int, int]:
     if 65535 - hi >= 2000:
         return hi + 1, 65536
     return 1024, 65536  # the whole space is ephemeral: the bind check is all there is
+
+
+def listened_on(port: int) -> bool:
+    """Whether something listens on `port`: binding 0.0.0.0, as the services do, fails as
+    taken (with SO_REUSEADDR, as theirs: a port left in TIME_WAIT counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def bindable(port: int) -> bool:

@@ -17,6 +17,7 @@ from pdserve.common.cpus import cpu_allowance, format_cpu_list
 from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import WorkerMetrics, serve_metrics
+from pdserve.common.ports import listened_on
 from pdserve.common.security import ChannelSecurity, server_credentials
 from pdserve.common.server import ServerStartError, start
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
@@ -102,6 +103,9 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
                               else cpu_allowance())
     torch.set_num_threads(threads)
     worker_id = worker_name(role, cfg)
+    if cfg.port and listened_on(cfg.port):  # said now, not after the model loaded
+        log.error("%s cannot start: port %d is in use (--port)", worker_id, cfg.port)
+        return 1
     try:
         engine, model_dir = build_engine(
             cfg.model, role=role, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,

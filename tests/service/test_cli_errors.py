@@ -60,12 +60,13 @@ def test_worker_with_an_unsupported_architecture_says_so(tiny_model_dir, tmp_pat
     _assert_one_clean_error(done, "architecture 'GPT2LMHeadModel'")
 
 
-def test_worker_on_a_port_in_use_names_the_port(tiny_model_dir):
+def test_worker_on_a_port_in_use_names_the_port_before_loading_its_model():
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = _run("colocated", "--model", str(tiny_model_dir), "--port", str(port),
+        # No such model either: the port is what it says, so it never got to the model.
+        done = _run("colocated", "--model", "/nonexistent", "--port", str(port),
                     "--metrics-port", "-1", "--no-warmup")
     _assert_one_clean_error(done, f"port {port} is in use")
 
