@@ -33,6 +33,8 @@ class WorkerConfig(ServerConfig):
                                               "agents as --advertise-host)")
     kv_agent_socket: str = option("", "the agent's local socket (its --local-socket: a path, "
                                       "or @NAME); default: the one the agent advertises")
+    kv_agent_wait_s: float = option(60.0, "how long a starting worker waits for its kvtransfer "
+                                          "agent to answer (s)")
     worker_id: str = option("", "name in stats, traces and logs (default: "
                                 "role@advertise-host:port)")
     advertise_host: str = option("127.0.0.1", "address other hosts reach this worker and its "
@@ -61,6 +63,7 @@ class WorkerConfig(ServerConfig):
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", self.max_prefill_tokens, "> 0")
         require(self.threads >= 0, "threads", self.threads, ">= 0 (0 = the CPU allowance)")
         require(self.tp >= 1, "tp", self.tp, ">= 1")
+        require(self.kv_agent_wait_s > 0, "kv_agent_wait_s", self.kv_agent_wait_s, "> 0")
         require(":" in self.kv_agent and not _unspecified(self.kv_agent.rpartition(":")[0]),
                 "kv_agent", self.kv_agent, "host:port of the agent")
         require(bool(self.advertise_host) and not _unspecified(self.advertise_host),

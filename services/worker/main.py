@@ -135,7 +135,13 @@ def _run(role: str, cfg: C, make_worker: Callable[[C, EngineLoop, str], W],
             state.stop()
         engine.ranks.on_death = rank_died
     loop = EngineLoop(engine).start()
-    worker = make_worker(cfg, loop, worker_id)
+    try:
+        worker = make_worker(cfg, loop, worker_id)
+    except ConnectionError as exc:  # its kvtransfer agent: not there, or not the one named
+        log.error("%s cannot start: %s", worker_id, exc)
+        loop.stop()
+        engine.close()
+        return 1
     engine.on_step = worker.metrics.engine.observe_step
     loop.on_held = worker.metrics.engine.observe_held
     freeze_startup_heap(worker_id)  # the model's modules, the engine, the tokenizer
@@ -182,12 +188,13 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def connect_agent(cfg: WorkerConfig, wait_s: float = 60.0) -> AgentClient:
-    """The client of this host's kvtransfer agent (`--kv-agent`), once it answers."""
+def connect_agent(cfg: WorkerConfig) -> AgentClient:
+    """The client of this host's kvtransfer agent (`--kv-agent`), once it answers (within
+    `--kv-agent-wait-s`, else ConnectionError)."""
     agent = AgentClient(cfg.kv_agent, security=ChannelSecurity.from_options(cfg),
                         socket_address=cfg.kv_agent_socket)
     try:
-        agent.wait_ready(timeout_s=wait_s)
+        agent.wait_ready(timeout_s=cfg.kv_agent_wait_s)
     except BaseException:
         agent.close()
         raise

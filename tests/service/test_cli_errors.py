@@ -14,7 +14,7 @@ import grpc
 import pytest
 from pdserve import certs, client
 
-from tests.support import pdserve_argv
+from tests.support import free_port, pdserve_argv
 
 pytestmark = pytest.mark.service
 
@@ -69,6 +69,14 @@ def test_worker_on_a_port_in_use_names_the_port_before_loading_its_model():
         done = _run("colocated", "--model", "/nonexistent", "--port", str(port),
                     "--metrics-port", "-1", "--no-warmup")
     _assert_one_clean_error(done, f"port {port} is in use")
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_worker_whose_agent_does_not_answer_says_so(role, tiny_model_dir):
+    agent = f"127.0.0.1:{free_port()}"  # nothing listens there
+    done = _run(role, "--model", str(tiny_model_dir), "--kv-agent", agent,
+                "--kv-agent-wait-s", "1", *WORKER_FLAGS)
+    _assert_one_clean_error(done, f"kvtransfer agent at {agent} not reachable after 1s")
 
 
 def test_model_create_into_a_full_directory_names_it(tmp_path):
