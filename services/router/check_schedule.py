@@ -6,7 +6,9 @@ with a thousand workers, 2,000 calls a second and half a core (measured: 200 wor
 second cost 0.2 of a core). Above `CHECKS_PER_S * interval_s` members the checker runs every
 `TICK_S` and reads the next slice of the members in turn (`CHECKS_PER_S * TICK_S` of them), so
 each is read every `members / CHECKS_PER_S` seconds (10 s with 1,000 workers) and the calls
-are spread out instead of arriving in bursts.
+are spread out instead of arriving in bursts: slices of 25 every 0.25 s left router-added p99
+at 25-30 ms with 1,000 workers at 100 req/s, slices of 5 every 0.05 s at 20-25 (the router's
+own CPU the same; docs/benchmarks.md, session 40).
 Between reads the router keeps loads current itself (what it sends each worker), and a worker
 that fails a call, or that just joined, is read in the next tick, not at its turn; so are the
 `DOWN_PER_TICK` workers down the longest (a worker still starting joins within seconds, a
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 CHECKS_PER_S = 100   # workers read per second at most, once the pool is large
-TICK_S = 0.25        # how often a large pool's next slice is read
+TICK_S = 0.05        # how often a large pool's next slice is read (5 workers a tick)
 DOWN_PER_TICK = 25   # unhealthy workers read again each tick besides (longest down first)
 
 W = TypeVar("W")

@@ -88,8 +88,9 @@ def test_a_large_pool_is_read_in_rolling_slices_plus_the_urgent_ones():
         start = turn.next_start
     assert sorted(set(read)) == members  # everyone once per period
     assert 1000 / CHECKS_PER_S == pytest.approx(len(read) / size * TICK_S, rel=0.1)
-    wrap = plan_round(members, 990, 1.0, urgent=[members[5], members[995], members[500]])
-    assert wrap.workers == [*range(990, 1000), *range(size - 10), 500]  # urgent ones once
+    start = 1000 - size + 2  # a slice that wraps around
+    wrap = plan_round(members, start, 1.0, urgent=[members[0], members[999], members[500]])
+    assert wrap.workers == [*range(start, 1000), *range(size - 1000 + start), 500]  # urgent once
     assert tick_s(1000, 1.0, all_healthy=True, recheck_down_s=0.5) == TICK_S
 
 
@@ -108,6 +109,29 @@ def test_a_suspected_worker_is_not_drawn_until_its_check_answers():
         pool.check_now([pool._workers[("decode", addresses[5])]])  # its check: refused
         assert addresses[5] not in pool.healthy("decode")
         assert pool._suspects == set()  # answered: no longer suspected, now unhealthy
+    finally:
+        pool.close()
+
+
+def test_the_cache_feeds_follow_after_a_change_and_else_once_an_interval():
+    """A large pool's ticks come 20 times a second: following its 1,000 members each time
+    cost more than reading them."""
+    from pdserve.router.pool import WorkerPool
+
+    addresses = [f"127.0.0.1:{p}" for p in range(1, 4)]  # nothing listens there
+    followed: list[list[object]] = []
+    pool = WorkerPool(decode=addresses, timeout_s=1.0, interval_s=600.0,
+                      on_checked=followed.append)
+    try:
+        pool.check_now()  # the first round: followed
+        pool.check_now()  # nothing changed, the interval has not passed: not again
+        assert len(followed) == 1
+        pool.suspect(addresses[0])  # a change: followed after the next round
+        pool.check_now()
+        assert len(followed) == 2
+        pool._followed_at -= 600.0  # an interval later
+        pool.check_now()
+        assert len(followed) == 3
     finally:
         pool.close()
 
