@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from pdserve.bench import engine_vllm
 from pdserve.bench.engine_run import random_prompts, run_engine
+from pdserve.common.models import BUILTIN_SIZES
 from pdserve.engine.model import load_model, resolve_dtype
 from pdserve.worker.config import DTYPES
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
-                        help="a built-in size (tiny, small, bench-7m, bench-152m) or a Hugging "
+                        help=f"a built-in size ({', '.join(BUILTIN_SIZES)}) or a Hugging "
                              "Face model directory (default tiny)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights and KV dtype (default auto: fp32 on CPU)")

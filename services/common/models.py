@@ -29,9 +29,8 @@ DEFAULT_MODEL = SMOLLM2
 def builtin_models_help() -> str:
     """The built-in models as `--model` help lists them (from BUILTIN_MODELS, never a second
     list by hand)."""
-    sizes = [name for name in BUILTIN_MODELS if name in BUILTIN_SIZES]
-    return (f"{SMOLLM2} ({SMOLLM2_NAME}, trained), {', '.join(sizes)} (random weights, "
-            "for tests and benchmarks)")
+    return (f"{SMOLLM2} ({SMOLLM2_NAME}, trained), {', '.join(BUILTIN_SIZES)} (random "
+            "weights, for tests and benchmarks)")
 
 
 @dataclass(frozen=True)
