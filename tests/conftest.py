@@ -28,6 +28,10 @@ os.environ.setdefault("PDSERVE_ROUTER_REMOTE_PREFILL_MIN_TOKENS", "0")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("pdserve-cache")
     os.environ["PDSERVE_CACHE_DIR"] = str(path)  # inherited by every process a test starts
+    from pdserve.common import native_grpc
+
+    # The routers' native gRPC library (~10 s to build) once here, not in a router's start-up.
+    native_grpc.library()
     return path
 
 

@@ -4,7 +4,8 @@
 
 A server process (pinned to core 0 when there are two or more) serves a unary method and a
 server-streaming one that sends 9 small messages (a short answer: 8 tokens and the end), with
-the sync (thread pool) server and with grpc.aio; a grpc.aio client on the other cores makes
+the sync (thread pool) server, with grpc.aio, and with the same handlers on pdserve's native
+server (gRPC's C++ core, common/native_server.py); a grpc.aio client on the other cores makes
 `--calls` calls of each, 32 at a time. Printed: the server's CPU per call from /proc, and the
 client's. A router request costs at least one streamed answer served (9-10 messages) plus a
 Reserve and a Prefill call and a decode stream read as a client: the sum is the floor.
@@ -19,8 +20,11 @@ import subprocess
 import sys
 import time
 from concurrent import futures
+from typing import Any
 
 import grpc
+from pdserve.common import native_grpc
+from pdserve.common.native_server import NativeServer
 from pdserve.common.ports import free_port
 
 PAYLOAD = b"x" * 24
@@ -56,8 +60,9 @@ def _handlers(aio: bool) -> grpc.GenericRpcHandler:
 
 def serve(kind: str, port: int) -> None:
     """Serve until stdin closes; print the CPU seconds used at each line read."""
-    if kind == "sync":
-        server = grpc.server(futures.ThreadPoolExecutor(64))
+    if kind in ("sync", "native"):
+        server: Any = grpc.server(futures.ThreadPoolExecutor(64)) if kind == "sync" else \
+            NativeServer(native_grpc.library(), max_workers=64, thread_name_prefix="floor")
         server.add_generic_rpc_handlers((_handlers(False),))
         server.add_insecure_port(f"127.0.0.1:{port}")
         server.start()
@@ -106,7 +111,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--serve", choices=["sync", "aio"], help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=["sync", "aio", "native"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -117,7 +122,7 @@ def main() -> int:
     os.sched_setaffinity(0, client_cores)
     print(f"server on cores {server_cores}, client on {client_cores}; {args.calls} calls each, "
           "32 in flight")
-    for kind in ("sync", "aio"):
+    for kind in ("sync", "aio", "native"):
         port = free_port()
         server = subprocess.Popen(
             [sys.executable, __file__, "--serve", kind, "--port", str(port)],
@@ -135,7 +140,7 @@ def main() -> int:
                 server.stdin.write("\n")
                 server.stdin.flush()
                 server_ms = (float(server.stdout.readline()) - before) / args.calls * 1e3
-                print(f"  {kind:4} server, {name:20}: server {server_ms:.3f} ms CPU per call, "
+                print(f"  {kind:6} server, {name:20}: server {server_ms:.3f} ms CPU per call, "
                       f"aio client {client_ms:.3f} ms, {rate:,.0f} calls/s")
         finally:
             if server.stdin is not None:

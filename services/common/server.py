@@ -23,6 +23,7 @@ the current tracing context when tracing is on (pdserve.common.tracing).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import signal
@@ -37,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.common import tracing
 from pdserve.common.errors import ServiceError
+from pdserve.common.native_server import NativeServer, TlsFiles
 
 log = logging.getLogger("pdserve.server")
 
@@ -293,7 +295,8 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
           host: str = "0.0.0.0", ready: Callable[[], bool] | None = None,
           grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
           max_workers: int = 128, credentials: grpc.ServerCredentials | None = None,
-          interceptors: Sequence[grpc.ServerInterceptor] = ()) -> ServerHandle:
+          interceptors: Sequence[grpc.ServerInterceptor] = (),
+          native: ctypes.CDLL | None = None, tls: TlsFiles | None = None) -> ServerHandle:
     """Create, register, bind and start a server; returns its handle (health NOT_SERVING
     until `ready()` is true, which is polled for the server's life; SERVING at once if None).
 
@@ -301,11 +304,19 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
     `port=0` binds a free port (see `handle.port`). Raises `ServerStartError` naming the
     address when the port cannot be bound. `credentials` (pdserve.common.security): a TLS port
     instead of a plaintext one; `interceptors` run before the shared one (API keys).
+    `native` (native_grpc.choose()): served by gRPC's C++ core (native_server.py; its TLS from
+    `tls`, the same files as `credentials`) instead of grpcio's; the same handlers either way.
     """
     interceptor = _Interceptor()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix=f"{name}-rpc"),
-                         interceptors=(*interceptors, interceptor), options=SERVER_OPTIONS)
+    server: Any
+    if native is not None:
+        server = NativeServer(native, max_workers=max_workers, thread_name_prefix=f"{name}-rpc",
+                              interceptors=(*interceptors, interceptor), options=SERVER_OPTIONS,
+                              tls=tls if credentials is not None else None)
+    else:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                        thread_name_prefix=f"{name}-rpc"),
+                             interceptors=(*interceptors, interceptor), options=SERVER_OPTIONS)
     registrar = _Registrar(server)
     register(registrar)
     health_servicer = health.HealthServicer()
@@ -335,8 +346,9 @@ def serve(name: str, port: int, register: Callable[[grpc.Server], None], *,
           host: str = "0.0.0.0", ready: Callable[[], bool] | None = None,
           grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
           max_workers: int = 128, credentials: grpc.ServerCredentials | None = None,
-          interceptors: Sequence[grpc.ServerInterceptor] = ()) -> int:
+          interceptors: Sequence[grpc.ServerInterceptor] = (),
+          native: ctypes.CDLL | None = None, tls: TlsFiles | None = None) -> int:
     """`start(...)` then `wait()`: serve until SIGTERM/SIGINT, drain, return exit status 0."""
     return start(name, port, register, host=host, ready=ready, grace_s=grace_s,
                  on_drain=on_drain, max_workers=max_workers, credentials=credentials,
-                 interceptors=interceptors).wait()
+                 interceptors=interceptors, native=native, tls=tls).wait()

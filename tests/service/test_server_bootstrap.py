@@ -1,4 +1,6 @@
-"""The shared server bootstrap (health, reflection, errors, drain) and the config pattern."""
+"""The shared server bootstrap (health, reflection, errors, drain, cancellation), on grpcio's
+server and on the native one (gRPC's C++ core, common/native_server.py), and the config
+pattern."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from pdserve.common import config, errors, logs, server
+from pdserve.common import config, errors, logs, native_grpc, server
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
 from tests.support import ServiceProcess, free_port, wait_for, wait_serving
@@ -33,11 +35,24 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
     def __init__(self) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.ended = threading.Event()  # the call's termination callback ran
+        self.closed = threading.Event()  # its generator was closed
+        self.metadata: dict[str, str] = {}
 
     def Generate(self, request, context):
         if request.prompt == "bad":
             raise errors.InvalidArgument("prompt: 'bad' is not allowed")
+        self.metadata = dict(context.invocation_metadata())
+        context.add_callback(self.ended.set)
         self.entered.set()
+        if request.prompt == "endless":
+            try:
+                for i in range(10_000):  # bounded: a client that goes stops it long before
+                    yield router_pb2.GenerateResponse(request_id=f"r{i}")
+                    self.release.wait(0.01)
+            finally:
+                self.closed.set()
+            return
         yield router_pb2.GenerateResponse(request_id="r1")
         self.release.wait(10)
         if request.prompt == "late-error":
@@ -62,13 +77,14 @@ def check(channel: grpc.Channel, service: str = "") -> int:
     return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
 
 
-@pytest.fixture
-def started():
+@pytest.fixture(params=["grpcio", "native"])
+def started(request):
     ready = threading.Event()
     drained = threading.Event()
     router = FakeRouter()
+    native = native_grpc.library() if request.param == "native" else None
     handle = server.start("test", 0, register(router), host="127.0.0.1", ready=ready.is_set,
-                          grace_s=5.0, on_drain=drained.set)
+                          grace_s=5.0, on_drain=drained.set, native=native)
     channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
     yield handle, ready, drained, router, channel
     router.release.set()
@@ -148,18 +164,47 @@ def test_drain_finishes_in_flight_stream_then_stops(started):
     assert not waiter.is_alive()
 
 
+def test_metadata_reaches_the_handler_and_an_unknown_method_is_unimplemented(started):
+    _, _, _, router, channel = started
+    router.release.set()
+    stream = router_pb2_grpc.RouterStub(channel).Generate(
+        router_pb2.GenerateRequest(), timeout=5, metadata=[("traceparent", "00-ab-cd-01")])
+    assert [r.request_id for r in stream] == ["r1", "r1"]
+    assert router.metadata["traceparent"] == "00-ab-cd-01"
+    assert router.ended.wait(5), "the termination callback did not run"
+    with pytest.raises(grpc.RpcError) as err:
+        channel.unary_unary("/pdserve.v1.Router/Nothing")(b"", timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as err:  # not a GenerateRequest: named, not INTERNAL
+        channel.unary_stream("/pdserve.v1.Router/Generate")(b"\xff\xff", timeout=5).next()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Generate" in err.value.details()
+
+
+def test_a_client_that_goes_ends_the_handler_and_runs_its_callback(started):
+    _, _, _, router, channel = started
+    stream = router_pb2_grpc.RouterStub(channel).Generate(
+        router_pb2.GenerateRequest(prompt="endless"), timeout=10)
+    assert next(stream).request_id == "r0"
+    stream.cancel()
+    assert router.ended.wait(5), "the termination callback did not run on cancellation"
+    assert router.closed.wait(5), "the handler went on streaming to a cancelled call"
+
+
 class AbortingContext:
     def abort(self, code, details):
         raise RuntimeError(f"{code.name}: {details}")
 
 
-def test_busy_port_fails_with_clear_message():
+@pytest.mark.parametrize("kind", ["grpcio", "native"])
+def test_busy_port_fails_with_clear_message(kind):
+    native = native_grpc.library() if kind == "native" else None
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
         with pytest.raises(server.ServerStartError, match=f"port {port} is in use"):
-            server.start("busy", port, lambda s: None, host="127.0.0.1")
+            server.start("busy", port, lambda s: None, host="127.0.0.1", native=native)
 
 
 SCRIPT = textwrap.dedent("""
