@@ -28,6 +28,7 @@ import grpc.experimental
 from grpc_health.v1 import health_pb2
 from pdserve.common import tracing
 from pdserve.common.errors import ResourceExhausted, ServiceError
+from pdserve.common.native_calls import NativeChannel, NativeMethod
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -46,7 +47,7 @@ class WorkerCalls:
     """A worker's unary methods as the router calls them: on the caller's thread. Each returns
     a call to pass to `reply` (and to `.cancel()` from elsewhere)."""
 
-    def __init__(self, channel: grpc.Channel, role: str):
+    def __init__(self, channel: grpc.Channel | NativeChannel, role: str):
         service = "/pdserve.v1.Prefill/" if role == "prefill" else "/pdserve.v1.Decode/"
         self.stats = on_thread(channel, service + "Stats", common_pb2.StatsRequest,
                                common_pb2.WorkerStats)
@@ -57,12 +58,15 @@ class WorkerCalls:
         self.prefill = on_thread(channel, "/pdserve.v1.Prefill/Prefill",
                                  prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse)
         self.decode = on_thread(channel, "/pdserve.v1.Decode/Decode", decode_pb2.DecodeRequest,
-                                decode_pb2.DecodeResponse)  # a stream: wrap in OnThreadCall
+                                decode_pb2.DecodeResponse, stream=True)  # wrap in OnThreadCall
 
 
-def on_thread(channel: grpc.Channel, path: str, request: Any, response: Any
-              ) -> grpc.UnaryStreamMultiCallable:
-    """The unary method `path` of `channel` (opened with ON_THREAD), called as a stream."""
+def on_thread(channel: grpc.Channel | NativeChannel, path: str, request: Any, response: Any, *,
+              stream: bool = False) -> grpc.UnaryStreamMultiCallable | NativeMethod:
+    """The method `path` of `channel` (a grpcio one opened with ON_THREAD: a unary method
+    called as a stream too), `stream` when it answers with a stream."""
+    if isinstance(channel, NativeChannel):
+        return channel.method(path, request.SerializeToString, response.FromString, stream)
     return channel.unary_stream(path, request_serializer=request.SerializeToString,
                                 response_deserializer=response.FromString)
 
@@ -157,7 +161,8 @@ class Retry(Exception):
 
 
 def unary_call(pool: Suspects, scope: CallScope, span_name: str,
-               method: grpc.UnaryStreamMultiCallable, request: Any, timeout_s: float, peer: str,
+               method: grpc.UnaryStreamMultiCallable | NativeMethod, request: Any,
+               timeout_s: float, peer: str,
                phase: str, address: str, *, prefill: str | None = None,
                decode: str | None = None, placement: str = "") -> Any:
     """One unary call (a `WorkerCalls` method) that client cancellation interrupts; errors

@@ -5,9 +5,11 @@ shared DecodeMany streams, CacheEvents, Abort, Renew). Not thread-safe: the pool
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
+from typing import Any, TypeAlias
 
 import grpc
+from pdserve.common.native_calls import NativeChannel
 from pdserve.common.security import ChannelSecurity, open_channel
 from pdserve.router.calls import ON_THREAD
 
@@ -25,30 +27,38 @@ CHANNEL_OPTIONS = (
 )
 
 
+Channel: TypeAlias = grpc.Channel | NativeChannel
+
+
 class Channels:
-    def __init__(self, security: ChannelSecurity | None):
+    """`native`: the on-thread channels on the native library (native_calls.py); None: grpcio."""
+
+    def __init__(self, security: ChannelSecurity | None, native: ctypes.CDLL | None = None):
         self._security = security
-        self._open: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
+        self._native = native
+        self._open: dict[str, tuple[grpc.Channel, Channel]] = {}
 
     def __contains__(self, address: str) -> bool:
         return address in self._open
 
-    def get(self, address: str, tls_name: str) -> tuple[grpc.Channel, grpc.Channel]:
+    def get(self, address: str, tls_name: str) -> tuple[grpc.Channel, Channel]:
         """The address's (threaded, on-thread) channels, opened now if they are not open.
         `tls_name`: the name its certificate carries ("" = the address's host)."""
         if address not in self._open:
             options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS
             if tls_name and self._security is not None and not self._security.server_name:
                 options = (*options, ("grpc.ssl_target_name_override", tls_name))
-            self._open[address] = (open_channel(address, self._security, options),
-                                   open_channel(address, self._security, (*options, *ON_THREAD)))
+            on_thread = (NativeChannel(self._native, address, self._security, options)
+                         if self._native is not None else
+                         open_channel(address, self._security, (*options, *ON_THREAD)))
+            self._open[address] = (open_channel(address, self._security, options), on_thread)
         return self._open[address]
 
-    def pop(self, address: str) -> list[grpc.Channel]:
+    def pop(self, address: str) -> list[Channel]:
         """Forget the address's channels; them, to close."""
         return list(self._open.pop(address, ()))
 
-    def pop_all(self) -> list[grpc.Channel]:
+    def pop_all(self) -> list[Channel]:
         channels = [c for pair in self._open.values() for c in pair]
         self._open.clear()
         return channels

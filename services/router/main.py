@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 
 import grpc
+from pdserve.common import native_grpc
 from pdserve.common.config import parse_config
 from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import DISABLED, serve_metrics
 from pdserve.common.models import ModelRef, resolve_model_name
+from pdserve.common.native_server import tls_files
 from pdserve.common.security import (
     ApiKeyInterceptor,
     ApiKeys,
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError, ValueError) as exc:
         log.error("cannot load the tokenizer: %s", exc)
         return 1
+    try:
+        native = native_grpc.choose(cfg.grpc_library)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    log.info("gRPC on %s", "its C++ core (native)" if native is not None else "grpcio")
     model_name = cfg.model_name or ref.name
     setup_tracing("pdserve-router")
     log.info("serving model %s from %s (vocab %d, context %s, eos %s)", model_name, directory,
@@ -93,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     pool = WorkerPool(interval_s=cfg.health_interval_s,
                       security=ChannelSecurity.from_options(cfg),
                       on_checked=feeds.sync if feeds is not None else None, cache=feeds,
-                      shared_decode_stream=cfg.shared_decode_stream)
+                      shared_decode_stream=cfg.shared_decode_stream,
+                      native_calls=native)
     discovery = Discovery(pool, cfg.targets("prefill"), cfg.targets("decode"),
                           interval_s=cfg.discovery_interval_s)
     lifecycle = Lifecycle(pool, tokenizer, model_name, max_retries=cfg.max_retries,
@@ -146,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(SERVICE, cfg.port, add,
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
                      on_drain=drain, max_workers=cfg.max_streams + 8,
-                     credentials=server_credentials(cfg), interceptors=interceptors)
+                     credentials=server_credentials(cfg), interceptors=interceptors,
+                     native=native, tls=tls_files(cfg))
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1

@@ -18,6 +18,7 @@ loads, and `acquire` / `release` around each call to a worker."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from pdserve.common.metrics import WorkerCounts
 from pdserve.common.security import ChannelSecurity
 from pdserve.router.cache_feed import CacheFeeds, Followed
 from pdserve.router.calls import WorkerCalls, reply
-from pdserve.router.channels import Channels
+from pdserve.router.channels import Channel, Channels
 from pdserve.router.check_schedule import DOWN_PER_TICK, plan_round, tick_s
 from pdserve.router.mux import DecodeStreams
 from pdserve.router.placement import DecodeLoad, PrefillLoad
@@ -51,7 +52,8 @@ class WorkerPool:
                  interval_s: float = 1.0, timeout_s: float = 1.0,
                  security: ChannelSecurity | None = None,
                  on_checked: Callable[[list[Followed]], None] | None = None,
-                 cache: CacheFeeds | None = None, shared_decode_stream: bool = True):
+                 cache: CacheFeeds | None = None, shared_decode_stream: bool = True,
+                 native_calls: ctypes.CDLL | None = None):
         self.interval_s = interval_s
         self._on_checked = on_checked  # after each round: the healthy members (cache feeds)
         self._cache = cache  # a large pool's cache events, read with its Stats
@@ -73,7 +75,8 @@ class WorkerPool:
         self._follow_due = True
         self._followed_at = 0.0
         self._rotation = 0
-        self._channels = Channels(security)  # a co-located worker's roles share them
+        # a co-located worker's roles share them; native_calls: native_grpc.choose()
+        self._channels = Channels(security, native_calls)
         self._joins = dict.fromkeys(ROLES, 0)
         self._leaves = dict.fromkeys(ROLES, 0)
         for role, addresses in zip(ROLES, (prefill, decode)):
@@ -118,7 +121,7 @@ class WorkerPool:
         self._close(closing)
         self._wake.set()  # newcomers are checked now, not at the next round
 
-    def _drop(self, worker: Worker) -> list[grpc.Channel]:
+    def _drop(self, worker: Worker) -> list[Channel]:
         """Forget a retired worker whose calls ended (lock held); its channels when no other
         role uses them."""
         del self._workers[(worker.role, worker.address)]
@@ -129,7 +132,7 @@ class WorkerPool:
         return self._channels.pop(worker.address)
 
     @staticmethod
-    def _close(channels: list[grpc.Channel]) -> None:
+    def _close(channels: list[Channel]) -> None:
         # Not on the caller's thread: `release` may run in a gRPC callback of that channel.
         for channel in channels:
             threading.Thread(target=channel.close, name="router-pool-close", daemon=True).start()

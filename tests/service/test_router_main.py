@@ -70,8 +70,17 @@ def test_builtin_model_from_a_child_process():
     assert ref.name == "builtin-tiny" and (model_dir(ref) / "tokenizer.json").is_file()
 
 
-def test_router_process_serves_reflects_and_drains(tmp_path):
-    """Fake co-located worker (Prefill and Decode on one address) + a real router process."""
+UNBUILDABLE = {"CXX": "/bin/false"}  # with a fresh cache: gRPC's C++ library cannot be built
+
+
+@pytest.mark.parametrize("library, env, says", [
+    ("auto", {}, "gRPC on its C++ core (native)"),
+    ("grpcio", {}, "gRPC on grpcio"),
+    ("auto", UNBUILDABLE, "serving on grpcio: gRPC's C++ library cannot be built here"),
+])
+def test_router_process_serves_reflects_and_drains(tmp_path, library, env, says):
+    """Fake co-located worker (Prefill and Decode on one address) + a real router process, on
+    gRPC's C++ core or on grpcio (the same answers either way)."""
     script = Script()
     worker = server.start("worker", 0, lambda s: (
         prefill_pb2_grpc.add_PrefillServicer_to_server(FakePrefill(script, "w"), s),
@@ -85,7 +94,9 @@ def test_router_process_serves_reflects_and_drains(tmp_path):
                            "--host", "127.0.0.1", "--prefill", worker_address],
                           env={"PDSERVE_ROUTER_PORT": str(port),
                                "PDSERVE_ROUTER_DECODE": worker_address,
-                               "PDSERVE_ROUTER_LOG_FORMAT": "json"})
+                               "PDSERVE_ROUTER_LOG_FORMAT": "json",
+                               "PDSERVE_ROUTER_GRPC_LIBRARY": library, **env,
+                               **({"PDSERVE_CACHE_DIR": str(tmp_path / "cache")} if env else {})})
     try:
         wait_serving(address, timeout_s=30, proc=proc.proc)
         maps = Path(f"/proc/{proc.proc.pid}/maps").read_text()
@@ -100,6 +111,23 @@ def test_router_process_serves_reflects_and_drains(tmp_path):
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(timeout=20) == 0, proc.output()
         assert '"msg": "generate"' in proc.output() and '"status": "OK"' in proc.output()
+        assert says in proc.output()
+        assert ("native_grpc-" in maps) == (says.endswith("(native)"))
     finally:
         proc.stop()
         worker.server.stop(0)
+
+
+def test_a_native_router_that_cannot_have_its_library_says_why_and_exits_1(tmp_path):
+    proc = ServiceProcess([sys.executable, "-m", "pdserve.router.main", "--model",
+                           str(make_model_dir(tmp_path / "m")), "--prefill", "127.0.0.1:1",
+                           "--decode", "127.0.0.1:1", "--grpc-library", "native",
+                           "--port", str(free_port())],
+                          env={**UNBUILDABLE, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        assert proc.proc.wait(timeout=60) == 1, proc.output()
+        assert "--grpc-library native: gRPC's C++ library cannot be built here: false failed" \
+            in proc.output()
+        assert "libgrpc++-dev" in proc.output()  # what to install
+    finally:
+        proc.stop()
