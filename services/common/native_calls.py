@@ -19,8 +19,9 @@ from pdserve.common.security import ChannelSecurity
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class NativeRpcError(grpc.RpcError):
-    """A native call's failure, as grpcio's calls report theirs."""
+class StatusError(grpc.RpcError):
+    """A call's failure as grpcio's calls report theirs (a native call's, a sequence's on a
+    shared stream: router/mux.py)."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
@@ -57,7 +58,7 @@ class NativeCall:
         text = (details.value or b"").decode(errors="replace")
         self._free()
         if code != 0:
-            raise NativeRpcError(_CODES.get(code, grpc.StatusCode.UNKNOWN), text)
+            raise StatusError(_CODES.get(code, grpc.StatusCode.UNKNOWN), text)
         raise StopIteration
 
     def cancel(self) -> None:

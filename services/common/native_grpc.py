@@ -37,6 +37,7 @@ log = logging.getLogger("pdserve.server")
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("grpc_server.cc", "grpc_calls.cc"))
+HEADER = SOURCES[0].with_name("grpc_options.h")
 NEEDS = "Debian: apt-get install libgrpc++-dev g++ pkg-config"
 CHOICES = ("auto", "native", "grpcio")
 PACKAGES = ("grpc++", "absl_synchronization")
@@ -48,8 +49,8 @@ _size_p = ctypes.POINTER(ctypes.c_size_t)
 def library_path() -> Path:
     """The built library (built now when it is not cached); RuntimeError naming what is
     missing when it cannot be built here."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
-    target = kernels_dir() / f"native_grpc-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()
+    target = kernels_dir() / f"native_grpc-{digest[:16]}.so"
     if target.is_file():
         return target
     cxx = os.environ.get("CXX") or shutil.which("g++")

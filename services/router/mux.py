@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from pdserve.common.native_calls import StatusError
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
@@ -42,18 +43,8 @@ _DELEGATED = object()  # queued where the messages go on on the sequence's own D
 IDLE_CLOSE_S = 2.0
 
 
-class SequenceFailed(grpc.RpcError):
+class SequenceFailed(StatusError):
     """A sequence's status on a shared stream: what its own Decode call would have raised."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def _status(name: str) -> grpc.StatusCode:

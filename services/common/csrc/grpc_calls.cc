@@ -27,6 +27,9 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <type_traits>
+
+#include "grpc_options.h"
 
 namespace {
 
@@ -184,24 +187,18 @@ struct Channel {
 
 extern "C" {
 
-// `options`: "key=value" lines (an integer value is set as one, any other as a string).
+// `options`: "key=value" lines (grpc_options.h).
 void* pdn_channel(const char* target, const char* options, const char* root_pem,
                   const char* key_pem, const char* cert_pem, int tls) {
   std::call_once(queue_started, StartQueue);
   grpc::ChannelArguments args;
-  std::stringstream lines(options);
-  for (std::string line; std::getline(lines, line);) {
-    auto eq = line.find('=');
-    if (eq == std::string::npos) continue;
-    std::string key = line.substr(0, eq), value = line.substr(eq + 1);
-    char* end = nullptr;
-    long number = std::strtol(value.c_str(), &end, 10);
-    if (!value.empty() && *end == '\0') {
-      args.SetInt(key, static_cast<int>(number));
+  pdserve::ForEachOption(options, [&args](const std::string& key, auto value) {
+    if constexpr (std::is_same_v<decltype(value), int>) {
+      args.SetInt(key, value);
     } else {
       args.SetString(key, value);
     }
-  }
+  });
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (tls) {
     grpc::SslCredentialsOptions ssl;

@@ -27,6 +27,8 @@
 #include <string>
 #include <thread>
 
+#include "grpc_options.h"
+
 namespace {
 
 class Call;
@@ -278,7 +280,7 @@ void Drive(Server* s) {
 
 extern "C" {
 
-// `options`: "key=value" lines (an integer value is set as one, any other as a string).
+// `options`: "key=value" lines (grpc_options.h).
 // TLS when `cert_pem` is not empty; `client_auth`: 0 none, 1 request and verify a client
 // certificate (against `ca_pem`), 2 require and verify one. The port bound (0: it could not
 // be) goes to *port; NULL when the server could not start.
@@ -287,19 +289,9 @@ void* pds_start(const char* address, const char* options, const char* cert_pem,
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   auto* s = new Server;
   grpc::ServerBuilder builder;
-  std::stringstream lines(options);
-  for (std::string line; std::getline(lines, line);) {
-    auto eq = line.find('=');
-    if (eq == std::string::npos) continue;
-    std::string key = line.substr(0, eq), value = line.substr(eq + 1);
-    char* end = nullptr;
-    long number = std::strtol(value.c_str(), &end, 10);
-    if (!value.empty() && *end == '\0') {
-      builder.AddChannelArgument(key, static_cast<int>(number));
-    } else {
-      builder.AddChannelArgument(key, value);
-    }
-  }
+  pdserve::ForEachOption(options, [&builder](const std::string& key, auto value) {
+    builder.AddChannelArgument(key, value);
+  });
   std::shared_ptr<grpc::ServerCredentials> credentials;
   if (cert_pem[0] != '\0') {
     grpc::SslServerCredentialsOptions ssl(
