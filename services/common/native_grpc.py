@@ -46,11 +46,16 @@ _str_p = ctypes.POINTER(ctypes.c_char_p)
 _size_p = ctypes.POINTER(ctypes.c_size_t)
 
 
+def target_path() -> Path:
+    """Where the library of these sources is cached (built or not)."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()
+    return kernels_dir() / f"native_grpc-{digest[:16]}.so"
+
+
 def library_path() -> Path:
     """The built library (built now when it is not cached); RuntimeError naming what is
     missing when it cannot be built here."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()
-    target = kernels_dir() / f"native_grpc-{digest[:16]}.so"
+    target = target_path()
     if target.is_file():
         return target
     cxx = os.environ.get("CXX") or shutil.which("g++")
@@ -84,8 +89,11 @@ _QUICK = ("pds_describe", "pds_identities", "pds_write", "pds_finish", "pds_acti
 def library() -> ctypes.CDLL:
     """The loaded library (built on first use); RuntimeError when it cannot be."""
     path = str(library_path())
-    lib = ctypes.CDLL(path)
-    quick = ctypes.PyDLL(path)
+    try:
+        lib = ctypes.CDLL(path)
+        quick = ctypes.PyDLL(path)
+    except OSError as exc:  # built here before, its libgrpc++ gone since (or another machine's)
+        raise RuntimeError(f"{path} does not load: {exc} ({NEEDS})") from None
     for name in _QUICK:
         setattr(lib, name, getattr(quick, name))
     # the server (csrc/grpc_server.cc)
