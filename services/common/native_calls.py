@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -103,10 +102,10 @@ class NativeChannel:
         self.lib = lib
         lines = [f"{key}={value}" for key, value in
                  (*options, *(security.options() if security else ()))]
-        pem = [Path(path).read_bytes() if security and path else b""
-               for path in ((security.ca, security.key, security.cert) if security else "   ")]
+        pems = security.pems() if security is not None else (None, None, None)
         self._handle: int | None = lib.pdn_channel(target.encode(), "\n".join(lines).encode(),
-                                                   *pem, int(security is not None))
+                                                   *(p or b"" for p in pems),
+                                                   int(security is not None))
 
     def handle(self) -> int:
         if self._handle is None:

@@ -18,37 +18,16 @@ import functools
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
-from pdserve.common.config import TlsOptions
+from pdserve.common.security import ServerTls
 
 log = logging.getLogger("pdserve.server")
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 QUEUED = 16  # a call's responses not yet sent past which its handler waits
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """The server's TLS: its certificate and key, the CA its clients' certificates must chain
-    to, and whether a client must present one (`require_client`; else none is asked for)."""
-
-    cert: str
-    key: str
-    ca: str = ""
-    require_client: bool = False
-
-
-def tls_files(opts: TlsOptions) -> TlsFiles | None:
-    """The port's TLS from a service's options (as security.server_credentials reads them)."""
-    if not opts.tls:
-        return None
-    return TlsFiles(opts.tls_cert, opts.tls_key, opts.tls_ca,
-                    bool(opts.tls_ca) and opts.tls_client_auth)
 
 
 class Metadatum(NamedTuple):
@@ -73,7 +52,7 @@ class Context(grpc.ServicerContext):
                  remaining_s: float):
         self._lib, self._call = lib, call
         self._metadata, self._peer = metadata, peer
-        self._deadline = None if remaining_s < 0 else _now() + remaining_s
+        self._deadline = None if remaining_s < 0 else time.monotonic() + remaining_s
         self._callbacks: list[Callable[[], None]] = []
         self._ended = False
         self._lock = threading.Lock()
@@ -86,7 +65,7 @@ class Context(grpc.ServicerContext):
             return not self._ended and bool(self._lib.pds_active(self._call))
 
     def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - _now())
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def cancel(self) -> None:
         with self._lock:
@@ -171,12 +150,6 @@ class Context(grpc.ServicerContext):
         pass
 
 
-def _now() -> float:
-    import time
-
-    return time.monotonic()
-
-
 def _parse_metadata(raw: bytes) -> tuple[Metadatum, ...]:
     pairs: list[Metadatum] = []
     at = 0
@@ -196,7 +169,7 @@ class NativeServer:
 
     def __init__(self, lib: ctypes.CDLL, *, max_workers: int, thread_name_prefix: str,
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
-                 options: Sequence[tuple[str, Any]] = (), tls: TlsFiles | None = None):
+                 options: Sequence[tuple[str, Any]] = (), tls: ServerTls | None = None):
         self._lib = lib
         self._max_workers = max_workers
         self._prefix = thread_name_prefix
@@ -225,18 +198,18 @@ class NativeServer:
         return self._bind(address)
 
     def add_secure_port(self, address: str, credentials: Any = None) -> int:
-        """TLS from the `TlsFiles` given at construction (`credentials` is grpcio's)."""
+        """TLS from the `ServerTls` given at construction (`credentials` is grpcio's)."""
         if self._tls is None:
-            raise RuntimeError("a TLS port needs the server's TlsFiles")
+            raise RuntimeError("a TLS port needs the server's ServerTls")
         return self._bind(address)
 
     def _bind(self, address: str) -> int:
         if self._server is not None:
             raise RuntimeError("one port per native server")
         tls = self._tls
-        pem = [Path(p).read_bytes() if p else b""
-               for p in ((tls.cert, tls.key, tls.ca) if tls else ("", "", ""))]
-        auth = 2 if tls is not None and tls.ca and tls.require_client else 0  # as grpcio
+        cert, key, ca = tls.pems() if tls is not None else (b"", b"", None)
+        pem = (cert, key, ca or b"")
+        auth = 2 if tls is not None and tls.require_client else 0  # as grpcio's credentials
         lines = "\n".join(f"{key}={int(value) if isinstance(value, bool) else value}"
                           for key, value in self._options).encode()
         port = ctypes.c_int(0)
@@ -355,10 +328,10 @@ class NativeServer:
                 behaviour = handler.stream_unary if handler.request_streaming \
                     else handler.unary_unary
                 response = behaviour(request, context)
-                if response is not None and context.status_code == grpc.StatusCode.OK:
+                if context.status_code == grpc.StatusCode.OK:
+                    if response is None:
+                        return grpc.StatusCode.INTERNAL, "the handler returned no response"
                     self._write(call, serialize(response))
-                elif response is None and context.status_code == grpc.StatusCode.OK:
-                    return grpc.StatusCode.INTERNAL, "the handler returned no response"
         except _Abort:
             pass
         except Exception as exc:

@@ -40,15 +40,38 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """A port's TLS: its certificate and key, the CA its callers' certificates must chain to
+    ("" = none asked for), and whether a caller must present one (`require_client`)."""
+
+    cert: str
+    key: str
+    ca: str = ""
+    require_client: bool = False
+
+    @classmethod
+    def from_options(cls, opts: TlsOptions) -> ServerTls | None:
+        """None (plaintext) without --tls-cert; callers must present a certificate only with
+        --tls-ca and --tls-client-auth."""
+        if not opts.tls:
+            return None
+        return cls(opts.tls_cert, opts.tls_key, opts.tls_ca,
+                   bool(opts.tls_ca) and opts.tls_client_auth)
+
+    def pems(self) -> tuple[bytes, bytes, bytes | None]:
+        """The certificate chain, the key and the CA (None: none), read now."""
+        return _read(self.cert), _read(self.key), _read(self.ca) if self.ca else None
+
+
 def server_credentials(opts: TlsOptions) -> grpc.ServerCredentials | None:
-    """The port's credentials: None (plaintext) without --tls-cert; with --tls-ca and
-    --tls-client-auth, callers must present a certificate chaining to the CA."""
-    if not opts.tls:
+    """The port's credentials (ServerTls.from_options): None when TLS is off."""
+    tls = ServerTls.from_options(opts)
+    if tls is None:
         return None
-    ca = _read(opts.tls_ca) if opts.tls_ca else None
-    return grpc.ssl_server_credentials(
-        [(_read(opts.tls_key), _read(opts.tls_cert))], root_certificates=ca,
-        require_client_auth=bool(ca) and opts.tls_client_auth)
+    cert, key, ca = tls.pems()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=tls.require_client)
 
 
 @dataclass(frozen=True)
@@ -71,11 +94,17 @@ class ChannelSecurity:
         return cls(ca=opts.tls_ca, cert=opts.tls_cert if mutual else "",
                    key=opts.tls_key if mutual else "", server_name=opts.tls_server_name)
 
+    def pems(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """The trusted roots, the own key and certificate chain (None: not set), read now."""
+        def read(path: str) -> bytes | None:
+            return _read(path) if path else None
+
+        return read(self.ca), read(self.key), read(self.cert)
+
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca) if self.ca else None,
-            private_key=_read(self.key) if self.key else None,
-            certificate_chain=_read(self.cert) if self.cert else None)
+        roots, key, chain = self.pems()
+        return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key,
+                                            certificate_chain=chain)
 
     def options(self) -> tuple[tuple[str, Any], ...]:
         if not self.server_name:

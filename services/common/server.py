@@ -38,7 +38,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.common import tracing
 from pdserve.common.errors import ServiceError
-from pdserve.common.native_server import NativeServer, TlsFiles
+from pdserve.common.native_server import NativeServer
+from pdserve.common.security import ServerTls
 
 log = logging.getLogger("pdserve.server")
 
@@ -296,7 +297,7 @@ def start(name: str, port: int, register: Callable[[grpc.Server], None], *,
           grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
           max_workers: int = 128, credentials: grpc.ServerCredentials | None = None,
           interceptors: Sequence[grpc.ServerInterceptor] = (),
-          native: ctypes.CDLL | None = None, tls: TlsFiles | None = None) -> ServerHandle:
+          native: ctypes.CDLL | None = None, tls: ServerTls | None = None) -> ServerHandle:
     """Create, register, bind and start a server; returns its handle (health NOT_SERVING
     until `ready()` is true, which is polled for the server's life; SERVING at once if None).
 
@@ -347,7 +348,7 @@ def serve(name: str, port: int, register: Callable[[grpc.Server], None], *,
           grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
           max_workers: int = 128, credentials: grpc.ServerCredentials | None = None,
           interceptors: Sequence[grpc.ServerInterceptor] = (),
-          native: ctypes.CDLL | None = None, tls: TlsFiles | None = None) -> int:
+          native: ctypes.CDLL | None = None, tls: ServerTls | None = None) -> int:
     """`start(...)` then `wait()`: serve until SIGTERM/SIGINT, drain, return exit status 0."""
     return start(name, port, register, host=host, ready=ready, grace_s=grace_s,
                  on_drain=on_drain, max_workers=max_workers, credentials=credentials,

@@ -21,11 +21,11 @@ from pdserve.common.heap import freeze_startup_heap
 from pdserve.common.logs import setup_logging
 from pdserve.common.metrics import DISABLED, serve_metrics
 from pdserve.common.models import ModelRef, resolve_model_name
-from pdserve.common.native_server import tls_files
 from pdserve.common.security import (
     ApiKeyInterceptor,
     ApiKeys,
     ChannelSecurity,
+    ServerTls,
     server_credentials,
 )
 from pdserve.common.server import ServerStartError, serve
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                      host=cfg.host, ready=pool.ready, grace_s=cfg.grace_s,
                      on_drain=drain, max_workers=cfg.max_streams + 8,
                      credentials=server_credentials(cfg), interceptors=interceptors,
-                     native=native, tls=tls_files(cfg))
+                     native=native, tls=ServerTls.from_options(cfg))
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1

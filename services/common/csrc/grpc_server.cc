@@ -19,11 +19,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 
@@ -73,14 +71,9 @@ class Call {
     std::unique_lock<std::mutex> lock(mu_);
     switch (kind) {
       case Op::kAccept:
-        if (ok) {
+        if (ok) {  // else shutting down: this call never started
           new Call(server_);  // the next call waits while this one is served
-          handed_ = false;
           StartRead();
-          accepted_ = true;
-        } else {
-          // shutting down: this call never started; only its done event may remain
-          accepted_ = false;
         }
         break;
       case Op::kRead:
@@ -257,7 +250,7 @@ class Call {
   std::mutex mu_;
   std::condition_variable ready_;
   int owners_ = 0;
-  bool accepted_ = false, handed_ = false, reading_ = false, read_end_ = false;
+  bool handed_ = false, reading_ = false, read_end_ = false;
   bool writing_ = false, finish_asked_ = false, finish_started_ = false, done_seen_ = false;
   grpc::ByteBuffer in_;
   std::deque<std::string> inbox_;
