@@ -202,7 +202,8 @@ def main(models: list[str], levels: list[int], *, prompt_tokens: int, output_tok
                                model_id=ref.name if ref.builtin_size else None)
             started = time.perf_counter()
             vllm = VllmEngine(vllm_python, directory, cpus, log,
-                              max_model_len=prompt_tokens + output_tokens + 16, dtype=dtype)
+                              max_model_len=prompt_tokens + output_tokens + 16,
+                              dtype=model.dtype_name)  # "auto" as pdserve resolved it
             log.write(f"vLLM start-up {time.perf_counter() - started:.1f} s\n")
             try:
                 rows += run_shape(model, vllm, levels, prompt_tokens, output_tokens, rounds)

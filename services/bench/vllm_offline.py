@@ -18,11 +18,17 @@ from typing import Any
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model_dir")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--dtype", default="float32")
+    parser = argparse.ArgumentParser(description="vLLM's offline engine for `pdserve bench "
+                                     "engine --vs-vllm` (one JSON request per stdin line)")
+    parser.add_argument("model_dir", help="a local Hugging Face model directory")
+    parser.add_argument("--max-model-len", type=int, default=1024,
+                        help="vLLM's max_model_len (default 1024)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="vLLM's max_num_seqs: sequences in one batch (default 256)")
+    parser.add_argument("--dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype in vLLM: the one pdserve's engine runs (never "
+                             "vLLM's auto, the model config's, which may differ)")
     args = parser.parse_args()
     vllm: Any = importlib.import_module("vllm")
     llm = vllm.LLM(model=args.model_dir, dtype=args.dtype, seed=0,
