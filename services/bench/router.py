@@ -4,7 +4,8 @@
 
 A real router process (pinned to --router-cpus) in front of N simulated workers (`pdserve
 sim`, half prefill, half decode, each on its own loopback address), driven by an open-loop
-load of short requests from this process. Reported, over the measured window:
+load of short requests from this process (gRPC Generate; `--api http`: the OpenAI-compatible
+API's streamed /v1/completions). Reported, over the measured window:
 
 - sustained requests/s and tokens/s, failures by error;
 - router CPU per request and per streamed token (from /proc), and how busy its cores were;
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.loadgen.procs import free_port
+from pdserve.bench.router_http import HttpLoad, wait_port
 from pdserve.bench.router_load import Shot, drive, prompt_ids
 from pdserve.bench.router_report import Window, cpu_seconds, machine, summarize
 from pdserve.common.heap import no_collection
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "native (csrc/router_floor.cc, C++ gRPC: built on first use, needs "
                         "libgrpc++-dev and protobuf-compiler-grpc); default all, or a "
                         "comma-separated subset")
+    p.add_argument("--api", choices=("grpc", "http"), default="grpc",
+                   help="what the load calls: the router's gRPC Generate (default) or its "
+                        "OpenAI-compatible HTTP API (streamed /v1/completions on keep-alive "
+                        "connections); pdserve's router only, not the floors")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompt")
     args = p.parse_args(argv)
@@ -96,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for kind in args.floor:
         if kind not in FLOORS:
             p.error(f"--floor {kind}: not a floor ({', '.join(FLOORS)})")
+    if args.floor and args.api != "grpc":
+        p.error(f"--api {args.api} with --floor: the floor routers serve gRPC only")
     if args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
         p.error("--rate and --duration must be > 0, --warmup >= 0")
     if not 0 <= args.vanish < 1:
@@ -204,7 +212,7 @@ def _addresses(first: str, count: int, port: int) -> list[str]:
 
 
 def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], port: int,
-                 metrics_port: int, extra: list[str]) -> list[str]:
+                 metrics_port: int, extra: list[str], http_port: int = -1) -> list[str]:
     if kind == "native":
         from pdserve.bench.native_floor import binary
 
@@ -215,7 +223,7 @@ def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], p
                 "--port", str(port), "--prefill", ",".join(prefill), "--decode", ",".join(decode)]
     return [sys.executable, "-m", "pdserve.router.main", "--model", model,
             "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-            "--port", str(port), "--http-port", "-1",
+            "--port", str(port), "--http-port", str(http_port),
             "--metrics-port", str(metrics_port), "--remote-prefill-min-tokens", "0", *extra]
 
 
@@ -240,9 +248,10 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
     decode = _addresses(FIRST_ADDRESS, keep_d, ports[1]) + \
         _addresses(VANISH_ADDRESS, gone_d, ports[1])
     rport, mport = free_port(), free_port()
+    hport = free_port() if args.api == "http" else -1
     router = Proc("router" if kind == "pdserve" else f"floor-{kind}", f"127.0.0.1:{rport}",
-                  _router_argv(kind, model, prefill, decode, rport, mport, args.router_arg),
-                  cpus=router_cpus)
+                  _router_argv(kind, model, prefill, decode, rport, mport, args.router_arg,
+                               hport), cpus=router_cpus)
     metrics_url = f"http://127.0.0.1:{mport}/metrics"
     sims = Stack(procs, work)
     routers = Stack([router], work)
@@ -257,8 +266,12 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
         serving_s = time.monotonic() - started
         healthy_s = _wait_healthy(metrics_url, args.workers, 60) if kind == "pdserve" else None
         all_healthy_s = None if healthy_s is None else time.monotonic() - started
+        http = None
+        if hport > 0:
+            http = HttpLoad(f"127.0.0.1:{hport}")
+            wait_port(hport, 30)
         shots, window = _load(args, router, procs, model, metrics_url, keep_p + keep_d,
-                              kind)
+                              kind, http)
     finally:
         routers.stop()
         sims.stop()
@@ -273,12 +286,13 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
                            "all_used_s": result.pop("all_used_s")}
     result["machine"] = machine()
     result["router"] = kind
+    result["api"] = args.api
     result["router_args"] = list(args.router_arg) if kind == "pdserve" else []
     return result
 
 
 def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
-          metrics_url: str, survivors: int, kind: str = "pdserve"
+          metrics_url: str, survivors: int, kind: str = "pdserve", http: HttpLoad | None = None
           ) -> tuple[list[Shot], Window]:
     from pdserve.router.tokenizer import Tokenizer, hide_torch
 
@@ -318,7 +332,7 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
                                                               args.seed * 1_000_003 + i),
                                   max_tokens=args.output_tokens, seed=args.seed,
                                   at=[(window.start_s, lambda: mark("start")),
-                                      (window.end_s, kill)]))
+                                      (window.end_s, kill)], http=http))
     if "end" not in marks:
         mark("end")
     (t0, r0, h0), (t1, r1, h1) = marks["start"], marks["end"]

@@ -11,10 +11,12 @@ finished (open loop); `lag_ms` says how late the loop sent it, so a saturated cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
@@ -70,16 +72,19 @@ async def _one(stub: router_pb2_grpc.RouterStub, shot: Shot, prompt: list[int],
 
 async def drive(address: str, *, rate: float, seconds: float, prompt: Callable[[int], list[int]],
                 max_tokens: int, seed: int = 0, timeout_s: float = 30.0,
-                at: list[tuple[float, Callable[[], None]]] | None = None) -> list[Shot]:
+                at: list[tuple[float, Callable[[], None]]] | None = None,
+                http: Any = None) -> list[Shot]:
     """Send requests at `rate` per second for `seconds`, request i with `prompt(i)`; every one
     is awaited before this returns. `at`: (seconds from the start, callback) pairs run on the
-    loop at those times (e.g. killing workers)."""
+    loop at those times (e.g. killing workers). `http`: a router_http.HttpLoad to send them
+    with instead of gRPC to `address`."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     shots: list[Shot] = []
     tasks: list[asyncio.Task[None]] = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
+        send = http.one if http is not None else functools.partial(_one, stub)
         start = loop.time()
         for offset, callback in at or []:
             loop.call_at(start + offset, callback)
@@ -90,7 +95,7 @@ async def drive(address: str, *, rate: float, seconds: float, prompt: Callable[[
                 await asyncio.sleep(wait)  # pacing the arrival process
             shot = Shot(len(shots), due, lag_ms=max(0.0, loop.time() - start - due) * 1e3)
             shots.append(shot)
-            tasks.append(asyncio.ensure_future(_one(stub, shot, prompt(shot.index), max_tokens,
+            tasks.append(asyncio.ensure_future(send(shot, prompt(shot.index), max_tokens,
                                                     timeout_s)))
             due += rng.expovariate(rate)
         await asyncio.gather(*tasks)

@@ -154,6 +154,7 @@ def show(r: dict[str, Any]) -> None:
         f"router bench: {r['workers']} simulated workers, {r['rate']:g} req/s offered, "
         f"{r['prompt_tokens']} prompt / {r['output_tokens']} output tokens, "
         f"{r['duration_s']:.1f} s measured"
+        + ("; over the OpenAI HTTP API" if r.get("api") == "http" else "")
         + (f"; router flags {' '.join(r['router_args'])}" if r.get("router_args") else ""),
         f"  completed           {r['completed']} of {r['sent']} ({r['failed']} failed"
         + (f": {r['errors']}" if r["errors"] else "") + ")",

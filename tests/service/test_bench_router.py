@@ -116,6 +116,27 @@ def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(t
         cannot_run(native)
 
 
+def test_bench_router_drives_the_openai_http_api(tmp_path):
+    """--api http: the same load as streamed /v1/completions on keep-alive connections; every
+    token arrives, each request's workers come from its `pdserve` object, the ledger matches
+    the requests by their X-Request-Id."""
+    out = tmp_path / "router.json"
+    run = subprocess.run(pdserve_argv(
+        "bench", "router", "--workers", "8", "--rate", "30", "--duration", "2", "--warmup",
+        "0.5", "--vanish", "0", "--output-tokens", "16", "--api", "http", "--json", str(out)),
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = json.loads(out.read_text())
+    assert r["api"] == "http" and r["completed"] == r["sent"] > 30 and r["failed"] == 0, r
+    assert r["tokens_s"] == pytest.approx(16 * r["req_s"], rel=0.01)
+    assert r["workers_seen"] == 8
+    added, ttft = r["router_added_ms"], r["ttft_ms"]
+    assert added["n"] > 20 and 0 < added["p50"] <= added["p99"] and ttft["p50"] > 0
+    assert r["router_cpu"]["ms_per_request"] > 0
+    assert "s measured; over the OpenAI HTTP API" in run.stdout
+    assert _ours_running("pdserve-bench-router-") == []
+
+
 def test_bench_router_floor_kinds_are_named():
     run = subprocess.run(pdserve_argv("bench", "router", "--floor", "aio,rust"),
                          capture_output=True, text=True, timeout=60)
@@ -132,3 +153,6 @@ def test_bench_router_refuses_bad_flags_by_name():
     run = subprocess.run(pdserve_argv("bench", "router", "--harness-cpus", "0,4096"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--harness-cpus 0,4096: not all of [" in run.stderr
+    run = subprocess.run(pdserve_argv("bench", "router", "--api", "http", "--floor"),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "the floor routers serve gRPC only" in run.stderr
