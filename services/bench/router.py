@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.loadgen.procs import free_port
-from pdserve.bench.router_http import HttpLoad, wait_port
+from pdserve.bench.router_http import HttpLoad
 from pdserve.bench.router_load import Shot, drive, prompt_ids
 from pdserve.bench.router_report import Window, cpu_seconds, machine, summarize
 from pdserve.common.heap import no_collection
@@ -266,10 +266,8 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
         serving_s = time.monotonic() - started
         healthy_s = _wait_healthy(metrics_url, args.workers, 60) if kind == "pdserve" else None
         all_healthy_s = None if healthy_s is None else time.monotonic() - started
-        http = None
-        if hport > 0:
-            http = HttpLoad(f"127.0.0.1:{hport}")
-            wait_port(hport, 30)
+        # the router's HTTP port listens before its gRPC one says SERVING
+        http = HttpLoad(f"127.0.0.1:{hport}") if hport > 0 else None
         shots, window = _load(args, router, procs, model, metrics_url, keep_p + keep_d,
                               kind, http)
     finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from typing import Any
 
@@ -23,21 +22,6 @@ Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 # A connection idle this long is not reused: the router's HTTP server (uvicorn) closes one idle
 # for 5 s, and a request sent as it does would fail for the client's reason, not the router's.
 IDLE_REUSE_S = 4.0
-
-
-def wait_port(port: int, timeout_s: float) -> None:
-    """Until the router's HTTP port accepts on loopback (it opens beside the gRPC one);
-    RuntimeError if not within `timeout_s`. Tries every 0.05 s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router's HTTP port {port} did not open within "
-                                   f"{timeout_s:g} s") from None
-            time.sleep(0.05)
 
 
 class HttpLoad:
@@ -88,16 +72,17 @@ class HttpLoad:
         (reader, writer), reused = await self._connection()
         kept = False
         try:
-            try:
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (OSError, asyncio.IncompleteReadError):
-                if not reused:
-                    raise
-                writer.close()  # closed by the server as it went idle: once more, anew
-                reader, writer = await asyncio.open_connection(self._host, self._port)
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
+            while True:
+                try:
+                    writer.write(request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    break
+                except (OSError, asyncio.IncompleteReadError):
+                    if not reused:
+                        raise
+                    writer.close()  # closed by the server as it went idle: once more, anew
+                    reader, writer = await asyncio.open_connection(self._host, self._port)
+                    reused = False
             lines = head.decode("latin-1").split("\r\n")
             status = int(lines[0].split(" ", 2)[1])
             headers = {k.strip().lower(): v.strip() for k, _, v in
@@ -107,10 +92,8 @@ class HttpLoad:
             else:
                 payload = await reader.readexactly(int(headers.get("content-length", "0")))
                 _event(shot, b"data: " + payload, start)
-            if status != 200 and not shot.error:
-                shot.error = f"HTTP {status}"
-            elif status != 200:
-                shot.error = f"HTTP {status}: {shot.error}"
+            if status != 200:
+                shot.error = f"HTTP {status}" + (f": {shot.error}" if shot.error else "")
             kept = headers.get("connection", "").lower() != "close"
         finally:
             if kept:

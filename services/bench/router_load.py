@@ -16,10 +16,13 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
+
+if TYPE_CHECKING:  # it imports Shot from here
+    from pdserve.bench.router_http import HttpLoad
 
 
 @dataclass
@@ -73,7 +76,7 @@ async def _one(stub: router_pb2_grpc.RouterStub, shot: Shot, prompt: list[int],
 async def drive(address: str, *, rate: float, seconds: float, prompt: Callable[[int], list[int]],
                 max_tokens: int, seed: int = 0, timeout_s: float = 30.0,
                 at: list[tuple[float, Callable[[], None]]] | None = None,
-                http: Any = None) -> list[Shot]:
+                http: HttpLoad | None = None) -> list[Shot]:
     """Send requests at `rate` per second for `seconds`, request i with `prompt(i)`; every one
     is awaited before this returns. `at`: (seconds from the start, callback) pairs run on the
     loop at those times (e.g. killing workers). `http`: a router_http.HttpLoad to send them
@@ -99,4 +102,6 @@ async def drive(address: str, *, rate: float, seconds: float, prompt: Callable[[
                                                     timeout_s)))
             due += rng.expovariate(rate)
         await asyncio.gather(*tasks)
+        if http is not None:
+            http.close()  # its kept connections, on this loop
     return shots
