@@ -16,13 +16,10 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
-
-if TYPE_CHECKING:  # it imports Shot from here
-    from pdserve.bench.router_http import HttpLoad
 
 
 @dataclass
@@ -73,10 +70,19 @@ async def _one(stub: router_pb2_grpc.RouterStub, shot: Shot, prompt: list[int],
     shot.e2e_ms = (time.perf_counter() - start) * 1e3
 
 
+class Sender(Protocol):
+    """Another way to send the requests (router_http.HttpLoad: the OpenAI HTTP API)."""
+
+    async def one(self, shot: Shot, prompt: list[int], max_tokens: int,
+                  timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
 async def drive(address: str, *, rate: float, seconds: float, prompt: Callable[[int], list[int]],
                 max_tokens: int, seed: int = 0, timeout_s: float = 30.0,
                 at: list[tuple[float, Callable[[], None]]] | None = None,
-                http: HttpLoad | None = None) -> list[Shot]:
+                http: Sender | None = None) -> list[Shot]:
     """Send requests at `rate` per second for `seconds`, request i with `prompt(i)`; every one
     is awaited before this returns. `at`: (seconds from the start, callback) pairs run on the
     loop at those times (e.g. killing workers). `http`: a router_http.HttpLoad to send them
