@@ -4,11 +4,13 @@
 
 The first message goes out as it comes (the sequence is live: the router's TTFT waits for
 it); after it, tokens are held until N are ready or the sequence finishes, and the message
-that finishes it carries what is left. N of 0 or 1 changes nothing. Each message a router
-relays costs it a read and a write (~0.1 ms of CPU each, Python gRPC), so N cuts its cost per
-token about N-fold, at the price of the client seeing tokens in bursts of N (SGLang's and
-vLLM's --stream-interval). The Decode call's own handler (real workers) and the simulated
-workers use the same helpers, so the simulation streams as the workers do.
+that finishes it carries what is left. Each message between carries a multiple of N (N, or
+more when the reader fell behind and several steps came at once; the odd rest stays held).
+N of 0 or 1 changes nothing. Each message a router relays costs it a read and a write (~0.1 ms
+of CPU each, Python gRPC), so N cuts its cost per token about N-fold, at the price of the
+client seeing tokens in bursts of N (SGLang's and vLLM's --stream-interval). The Decode call's
+own handler (real workers) and the simulated workers use the same helpers, so the simulation
+streams as the workers do.
 """
 
 from __future__ import annotations
@@ -52,10 +54,19 @@ class _Held:
             self.message = message
         else:
             absorb(self.message, message)
-        if len(self.message.token_ids) >= self.interval or self.message.finish_reason:
+        held = len(self.message.token_ids)
+        if self.message.finish_reason:
             due, self.message = self.message, None
             return due
-        return None
+        if held < self.interval:
+            return None
+        # A reader that fell behind gets several steps' tokens at once: send the whole
+        # multiples of N and hold the rest, so every message but the last is N-aligned.
+        due, keep = self.message, held - held % self.interval
+        self.message = (decode_pb2.DecodeResponse(token_ids=due.token_ids[keep:])
+                        if keep < held else None)
+        del due.token_ids[keep:]
+        return due
 
 
 def every_n(messages: Iterator[decode_pb2.DecodeResponse], interval: int

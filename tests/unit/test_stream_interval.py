@@ -32,6 +32,22 @@ def test_tokens_go_n_to_a_message_after_the_first_and_the_finish_takes_the_rest(
     assert [m.finish_reason for m in out] == ["", "", "", "length"]
 
 
+def test_steps_that_came_at_once_keep_every_message_n_aligned():
+    """A reader that fell behind gets several engine steps in one message (3, 2, then 8
+    tokens): whole multiples of N go out, the odd rest waits, the finish takes what is left."""
+    steps = [[], [100, 101, 102], [103, 104], list(range(105, 113)), [113]]
+
+    def messages(finish: str) -> list[decode_pb2.DecodeResponse]:
+        out = [decode_pb2.DecodeResponse(token_ids=ids) for ids in steps]
+        out[-1].finish_reason = finish
+        return out
+
+    aligned = [[], [100, 101, 102, 103], list(range(104, 112)), [112, 113]]
+    out = list(every_n(iter(messages("length")), 4))
+    assert _shape(out) == aligned and out[-1].finish_reason == "length"
+    assert _shape(every_n(iter(messages("")), 4)) == aligned  # no finish: the rest still comes
+
+
 def test_a_finish_before_n_tokens_goes_out_at_once():
     out = list(every_n(iter(_messages(2, finish="stop")), 8))
     assert _shape(out) == [[], [100, 101]] and out[-1].finish_reason == "stop"
