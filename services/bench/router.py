@@ -39,6 +39,7 @@ from pdserve.bench.router_http import HttpLoad
 from pdserve.bench.router_load import Shot, drive, prompt_ids
 from pdserve.bench.router_report import Window, cpu_seconds, machine, summarize
 from pdserve.common.heap import no_collection
+from pdserve.common.stream_interval import MAX_INTERVAL
 from pdserve.processes import Proc, Stack, _signal_group
 
 FIRST_ADDRESS = "127.61.0.1"      # the stable workers; the vanishing ones from VANISH_ADDRESS
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="what the load calls: the router's gRPC Generate (default) or its "
                         "OpenAI-compatible HTTP API (streamed /v1/completions on keep-alive "
                         "connections); pdserve's router only, not the floors")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens a message after the first, for pdserve's router "
+                        "(--stream-interval) and the floors alike (default 1: every token)")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompt")
     args = p.parse_args(argv)
@@ -104,6 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--floor {kind}: not a floor ({', '.join(FLOORS)})")
     if args.floor and args.api != "grpc":
         p.error(f"--api {args.api} with --floor: the floor routers serve gRPC only")
+    if not 0 <= args.stream_interval <= MAX_INTERVAL:
+        p.error(f"--stream-interval {args.stream_interval}: must be 0..{MAX_INTERVAL}")
     if args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
         p.error("--rate and --duration must be > 0, --warmup >= 0")
     if not 0 <= args.vanish < 1:
@@ -212,19 +218,19 @@ def _addresses(first: str, count: int, port: int) -> list[str]:
 
 
 def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], port: int,
-                 metrics_port: int, extra: list[str], http_port: int = -1) -> list[str]:
+                 metrics_port: int, extra: list[str], http_port: int = -1,
+                 interval: int = 1) -> list[str]:
+    common = ["--port", str(port), "--prefill", ",".join(prefill), "--decode", ",".join(decode),
+              "--stream-interval", str(interval)]
     if kind == "native":
         from pdserve.bench.native_floor import binary
 
-        return [str(binary()), "--port", str(port), "--prefill", ",".join(prefill),
-                "--decode", ",".join(decode)]
+        return [str(binary()), *common]
     if kind != "pdserve":  # a floor: no metrics, no health checks, no tokenizer
-        return [sys.executable, "-m", "pdserve.bench.router_floor", "--kind", kind,
-                "--port", str(port), "--prefill", ",".join(prefill), "--decode", ",".join(decode)]
-    return [sys.executable, "-m", "pdserve.router.main", "--model", model,
-            "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-            "--port", str(port), "--http-port", str(http_port),
-            "--metrics-port", str(metrics_port), "--remote-prefill-min-tokens", "0", *extra]
+        return [sys.executable, "-m", "pdserve.bench.router_floor", "--kind", kind, *common]
+    return [sys.executable, "-m", "pdserve.router.main", "--model", model, *common,
+            "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+            "--remote-prefill-min-tokens", "0", *extra]
 
 
 def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str, Any]:
@@ -251,7 +257,7 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
     hport = free_port() if args.api == "http" else -1
     router = Proc("router" if kind == "pdserve" else f"floor-{kind}", f"127.0.0.1:{rport}",
                   _router_argv(kind, model, prefill, decode, rport, mport, args.router_arg,
-                               hport), cpus=router_cpus)
+                               hport, args.stream_interval), cpus=router_cpus)
     metrics_url = f"http://127.0.0.1:{mport}/metrics"
     sims = Stack(procs, work)
     routers = Stack([router], work)
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
                            "all_used_s": result.pop("all_used_s")}
     result["machine"] = machine()
     result["router"] = kind
-    result["api"] = args.api
+    result["api"], result["stream_interval"] = args.api, args.stream_interval
     result["router_args"] = list(args.router_arg) if kind == "pdserve" else []
     return result
 

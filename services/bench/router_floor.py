@@ -44,8 +44,9 @@ BUSY = "the floor router is serving its limit of Generate streams"
 class _Request:
     """One Generate as both floors run it: the calls to make, and what to send back."""
 
-    def __init__(self, request: router_pb2.GenerateRequest, index: int):
+    def __init__(self, request: router_pb2.GenerateRequest, index: int, interval: int):
         self.ids, self.rid = request.token_ids, request.request_id or f"floor{index}"
+        self.interval = interval  # DecodeRequest.stream_interval: tokens a message
         self.sampling = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True,
                                                   max_tokens=request.max_tokens or 8)
         self.reserve = decode_pb2.ReserveRequest(
@@ -69,7 +70,8 @@ class _Request:
             return sent, None
         return sent, decode_pb2.DecodeRequest(ticket=held.ticket, prompt_token_ids=self.ids,
                                               first_token=reply.first_token,
-                                              sampling=self.sampling)
+                                              sampling=self.sampling,
+                                              stream_interval=self.interval)
 
     def relay(self, message: decode_pb2.DecodeResponse) -> router_pb2.GenerateResponse | None:
         """A Decode message's tokens as a delta (None: it had none); `reason` set at the end."""
@@ -90,21 +92,22 @@ class _Request:
 class _Turns:
     """Workers of each role taken in turn."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any]):
-        self._prefill, self._decode = prefill, decode
+    def __init__(self, prefill: list[Any], decode: list[Any], interval: int):
+        self._prefill, self._decode, self._interval = prefill, decode, interval
         self._next = itertools.count()
 
     def pick(self, request: router_pb2.GenerateRequest) -> tuple[_Request, Any, Any]:
         i = next(self._next)
-        return (_Request(request, i), self._prefill[i % len(self._prefill)],
+        return (_Request(request, i, self._interval), self._prefill[i % len(self._prefill)],
                 self._decode[i % len(self._decode)])
 
 
 class AioFloor(router_pb2_grpc.RouterServicer):
-    def __init__(self, prefill: list[str], decode: list[str], max_streams: int):
+    def __init__(self, prefill: list[str], decode: list[str], max_streams: int,
+                 interval: int = 1):
         self._turns = _Turns(
             [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a)) for a in prefill],
-            [decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(a)) for a in decode])
+            [decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(a)) for a in decode], interval)
         self._free = max_streams
 
     async def Generate(self, request: router_pb2.GenerateRequest,
@@ -139,10 +142,11 @@ class AioFloor(router_pb2_grpc.RouterServicer):
 
 
 class SyncFloor(router_pb2_grpc.RouterServicer):
-    def __init__(self, prefill: list[str], decode: list[str], max_streams: int):
+    def __init__(self, prefill: list[str], decode: list[str], max_streams: int,
+                 interval: int = 1):
         self._turns = _Turns(
             [prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(a)) for a in prefill],
-            [decode_pb2_grpc.DecodeStub(grpc.insecure_channel(a)) for a in decode])
+            [decode_pb2_grpc.DecodeStub(grpc.insecure_channel(a)) for a in decode], interval)
         self._slots = threading.BoundedSemaphore(max_streams)
 
     def Generate(self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -170,7 +174,8 @@ class SyncFloor(router_pb2_grpc.RouterServicer):
 async def _serve_aio(args: argparse.Namespace) -> None:
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(
-        AioFloor(args.prefill.split(","), args.decode.split(","), args.max_streams), server)
+        AioFloor(args.prefill.split(","), args.decode.split(","), args.max_streams,
+                 args.stream_interval), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
@@ -180,7 +185,8 @@ async def _serve_aio(args: argparse.Namespace) -> None:
 def _serve_sync(args: argparse.Namespace) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams + 8))
     router_pb2_grpc.add_RouterServicer_to_server(
-        SyncFloor(args.prefill.split(","), args.decode.split(","), args.max_streams), server)
+        SyncFloor(args.prefill.split(","), args.decode.split(","), args.max_streams,
+                 args.stream_interval), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     server.start()
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-streams", type=int, default=MAX_STREAMS,
                         help=f"Generate streams at once, more refused (default {MAX_STREAMS}, "
                              "as pdserve's router)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens per Decode message after the first (the workers hold "
+                             "them; pdserve's router --stream-interval; default 1)")
     args = parser.parse_args(argv)
     try:
         if args.kind == "aio":

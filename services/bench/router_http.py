@@ -127,8 +127,10 @@ def _event(shot: Shot, event: bytes, start: float) -> None:
     if "error" in message:
         shot.error = str(message["error"].get("message", message["error"]))
         return
-    if message.get("choices") and shot.ttft_ms is None:  # the first token's chunk
-        shot.ttft_ms = (time.perf_counter() - start) * 1e3
+    if message.get("choices"):
+        shot.deltas += 1
+        if shot.ttft_ms is None:  # the first token's chunk
+            shot.ttft_ms = (time.perf_counter() - start) * 1e3
     if message.get("usage"):
         shot.tokens = message["usage"].get("completion_tokens", 0)
     timing = (message.get("pdserve") or {}).get("timing")

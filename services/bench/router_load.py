@@ -32,6 +32,7 @@ class Shot:
     ttft_ms: float | None = None
     e2e_ms: float | None = None
     tokens: int = 0
+    deltas: int = 0  # the messages that carried them
     ok: bool = False
     error: str = ""
     prefill: str = ""
@@ -61,6 +62,7 @@ async def _one(stub: router_pb2_grpc.RouterStub, shot: Shot, prompt: list[int],
                 if shot.ttft_ms is None:
                     shot.ttft_ms = (time.perf_counter() - start) * 1e3
                 shot.tokens += len(msg.delta.token_ids)
+                shot.deltas += 1
             elif kind == "timing":
                 shot.prefill, shot.decode = msg.timing.prefill_worker, msg.timing.decode_worker
             elif kind == "finish":

@@ -105,6 +105,7 @@ def summarize(shots: list[Shot], ledger: dict[str, float], stable: frozenset[str
         "sent": len(measured), "completed": len(done), "failed": len(measured) - len(done),
         "errors": dict(Counter(s.error for s in measured if not s.ok).most_common(5)),
         "req_s": req_s, "tokens_s": tok_s,
+        "deltas_per_request": sum(s.deltas for s in done) / len(done) if done else None,
         "router_added_ms": percentiles(added),
         "e2e_ms": percentiles([s.e2e_ms for s in done if s.e2e_ms is not None]),
         "ttft_ms": percentiles([s.ttft_ms for s in done if s.ttft_ms is not None]),
@@ -155,10 +156,12 @@ def show(r: dict[str, Any]) -> None:
         f"{r['prompt_tokens']} prompt / {r['output_tokens']} output tokens, "
         f"{r['duration_s']:.1f} s measured"
         + ("; over the OpenAI HTTP API" if r.get("api") == "http" else "")
+        + (f"; {n} tokens a message" if (n := r.get("stream_interval", 1)) > 1 else "")
         + (f"; router flags {' '.join(r['router_args'])}" if r.get("router_args") else ""),
         f"  completed           {r['completed']} of {r['sent']} ({r['failed']} failed"
         + (f": {r['errors']}" if r["errors"] else "") + ")",
-        f"  sustained           {r['req_s']:.1f} req/s, {r['tokens_s']:.0f} tokens/s",
+        f"  sustained           {r['req_s']:.1f} req/s, {r['tokens_s']:.0f} tokens/s"
+        + (f" in {n:.1f} messages a request" if (n := r.get("deltas_per_request")) else ""),
         f"  router-added ms     p50 {_ms(added, 'p50')}  p99 {_ms(added, 'p99')}  "
         f"(client E2E - simulated worker time, {added['n']} requests)",
         f"  E2E ms              p50 {_ms(r['e2e_ms'], 'p50')}  p99 {_ms(r['e2e_ms'], 'p99')}",

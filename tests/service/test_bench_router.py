@@ -43,6 +43,7 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
     r = json.loads(out.read_text())
     assert r["completed"] == r["sent"] > 100 and r["failed"] == 0, r["errors"]
     assert 45 < r["req_s"] < 75 and r["tokens_s"] == pytest.approx(8 * r["req_s"], rel=0.01)
+    assert r["stream_interval"] == 1 and r["deltas_per_request"] == 8  # a message a token
     added, e2e = r["router_added_ms"], r["e2e_ms"]
     assert added["n"] > 50 and 0 < added["p50"] < e2e["p50"] and added["p50"] <= added["p99"]
     assert r["router_cpu"]["ms_per_request"] > 0 and r["router_cpu"]["ms_per_token"] > 0
@@ -78,8 +79,9 @@ def test_bench_router_measures_a_simulated_pool_and_survives_workers_vanishing(t
 
 def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(tmp_path):
     """The Python floors (aio, sync) and the native one (C++ gRPC, built on first use) relay
-    every token of the same arrivals; where the native one cannot be built (no libgrpc++) the
-    bench says so and runs the others (and this test then skips, except in CI)."""
+    every token of the same arrivals, N to a message as pdserve does; where the native one
+    cannot be built (no libgrpc++) the bench says so and runs the others (and this test then
+    skips, except in CI)."""
     from pdserve.bench.native_floor import binary
 
     try:
@@ -90,16 +92,19 @@ def test_bench_router_floor_runs_the_same_load_through_the_least_a_router_does(t
     out = tmp_path / "router.json"
     run = subprocess.run(pdserve_argv(
         "bench", "router", "--workers", "8", "--rate", "30", "--duration", "2", "--warmup",
-        "0.5", "--vanish", "0", "--floor", "--json", str(out)),
+        "0.5", "--vanish", "0", "--floor", "--stream-interval", "4", "--json", str(out)),
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     r = json.loads(out.read_text())
     kinds = ["aio", "sync"] + ([] if native else ["native"])
     assert r["router"] == "pdserve" and list(r["floor"]) == kinds
+    # the prefill's token, then the decode worker's 4 and the 3 left: every router asked for 4
+    assert r["deltas_per_request"] == 3 and "; 4 tokens a message" in run.stdout
     for kind, f in r["floor"].items():
         assert f["router"] == kind and f["sent"] == r["sent"] > 30, kind  # the same arrivals
         assert f["completed"] == f["sent"] and f["failed"] == 0, f["errors"]
         assert f["tokens_s"] == pytest.approx(8 * f["req_s"], rel=0.01)  # every token relayed
+        assert f["stream_interval"] == 4 and f["deltas_per_request"] == 3, kind
         assert f["workers_seen"] == 8  # workers in turn; Timing names both of each request
         assert f["router_cpu"]["ms_per_request"] > 0 and f["router_added_ms"]["n"] > 20
         assert f["discovery"]["all_healthy_s"] is None  # a floor checks no health
@@ -153,6 +158,9 @@ def test_bench_router_refuses_bad_flags_by_name():
     run = subprocess.run(pdserve_argv("bench", "router", "--harness-cpus", "0,4096"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--harness-cpus 0,4096: not all of [" in run.stderr
+    run = subprocess.run(pdserve_argv("bench", "router", "--stream-interval", "5000"),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--stream-interval 5000: must be 0..4096" in run.stderr
     run = subprocess.run(pdserve_argv("bench", "router", "--api", "http", "--floor"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "the floor routers serve gRPC only" in run.stderr

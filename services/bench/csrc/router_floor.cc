@@ -76,6 +76,7 @@ struct Router {
   std::vector<std::unique_ptr<pb::Decode::Stub>> decode;
   uint64_t next = 0;
   int free_streams = 0;
+  int stream_interval = 1;  // tokens per Decode message after the first (the workers hold them)
 };
 
 // One Generate, from the moment the server is ready to accept it until its last event.
@@ -161,6 +162,7 @@ class Call {
     *decode.mutable_prompt_token_ids() = request_.token_ids();
     decode.set_first_token(first);
     *decode.mutable_sampling() = sampling_;
+    decode.set_stream_interval(r_->stream_interval);
     Client(&decode_ctx_);
     stream_ = decode_->AsyncDecode(&decode_ctx_, decode, r_->cq.get(), Issue(&opened_));
   }
@@ -330,7 +332,7 @@ class HealthCall final : public Event {
 void Usage(const std::string& why) {
   std::fprintf(stderr,
                "router_floor: %s\nusage: router_floor --port P --prefill A,B --decode C,D "
-               "[--max-streams 256]\n",
+               "[--max-streams 256] [--stream-interval 1]\n",
                why.c_str());
   std::exit(2);
 }
@@ -349,6 +351,7 @@ int main(int argc, char** argv) {
     else if (flag == "--prefill") prefill = value;
     else if (flag == "--decode") decode = value;
     else if (flag == "--max-streams") r.free_streams = std::atoi(value.c_str());
+    else if (flag == "--stream-interval") r.stream_interval = std::atoi(value.c_str());
     else Usage("unknown flag " + flag);
   }
   if (port.empty() || prefill.empty() || decode.empty()) Usage("--port, --prefill, --decode");
