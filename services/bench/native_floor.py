@@ -92,3 +92,16 @@ def _run(argv: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"native floor: {Path(argv[0]).name}: {exc}") from None
     return done.stdout
+
+
+def built_or_said() -> bool:
+    """Build the floor now (so its build is not timed in a bench); False: it cannot be built
+    here, and why was printed."""
+    try:
+        if not (kernels_dir() / binary_name()).is_file():
+            print("building the native floor router (once, about a minute) ...", flush=True)
+        binary()
+    except (RuntimeError, OSError) as exc:
+        print(f"{exc}: the native floor is left out", flush=True)
+        return False
+    return True

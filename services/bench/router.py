@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="tokens a message after the first, for pdserve's router "
                         "(--stream-interval) and the floors alike (default 1: every token)")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=0, metavar="T",
+                   help="prompts shorter than T are prefilled on the decode worker (no Prefill "
+                        "call), for pdserve's router and the floors alike (default 0: none)")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompt")
     args = p.parse_args(argv)
@@ -110,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--api {args.api} with --floor: the floor routers serve gRPC only")
     if not 0 <= args.stream_interval <= MAX_INTERVAL:
         p.error(f"--stream-interval {args.stream_interval}: must be 0..{MAX_INTERVAL}")
+    if args.remote_prefill_min_tokens < 0:
+        p.error(f"--remote-prefill-min-tokens {args.remote_prefill_min_tokens}: must be >= 0")
     if args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
         p.error("--rate and --duration must be > 0, --warmup >= 0")
     if not 0 <= args.vanish < 1:
@@ -217,11 +222,12 @@ def _addresses(first: str, count: int, port: int) -> list[str]:
     return [f"{start + i}:{port}" for i in range(count)]
 
 
-def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], port: int,
-                 metrics_port: int, extra: list[str], http_port: int = -1,
-                 interval: int = 1) -> list[str]:
-    common = ["--port", str(port), "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-              "--stream-interval", str(interval)]
+def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str],
+                 ports: tuple[int, int, int], args: argparse.Namespace) -> list[str]:
+    """The router's command line; `ports`: its gRPC, metrics and HTTP (-1: none) ports."""
+    common = ["--port", str(ports[0]), "--prefill", ",".join(prefill), "--decode",
+              ",".join(decode), "--stream-interval", str(args.stream_interval),
+              "--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
     if kind == "native":
         from pdserve.bench.native_floor import binary
 
@@ -229,8 +235,7 @@ def _router_argv(kind: str, model: str, prefill: list[str], decode: list[str], p
     if kind != "pdserve":  # a floor: no metrics, no health checks, no tokenizer
         return [sys.executable, "-m", "pdserve.bench.router_floor", "--kind", kind, *common]
     return [sys.executable, "-m", "pdserve.router.main", "--model", model, *common,
-            "--http-port", str(http_port), "--metrics-port", str(metrics_port),
-            "--remote-prefill-min-tokens", "0", *extra]
+            "--metrics-port", str(ports[1]), "--http-port", str(ports[2]), *args.router_arg]
 
 
 def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str, Any]:
@@ -256,8 +261,8 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
     rport, mport = free_port(), free_port()
     hport = free_port() if args.api == "http" else -1
     router = Proc("router" if kind == "pdserve" else f"floor-{kind}", f"127.0.0.1:{rport}",
-                  _router_argv(kind, model, prefill, decode, rport, mport, args.router_arg,
-                               hport, args.stream_interval), cpus=router_cpus)
+                  _router_argv(kind, model, prefill, decode, (rport, mport, hport), args),
+                  cpus=router_cpus)
     metrics_url = f"http://127.0.0.1:{mport}/metrics"
     sims = Stack(procs, work)
     routers = Stack([router], work)
@@ -291,6 +296,7 @@ def run(args: argparse.Namespace, work: Path, kind: str = "pdserve") -> dict[str
     result["machine"] = machine()
     result["router"] = kind
     result["api"], result["stream_interval"] = args.api, args.stream_interval
+    result["remote_prefill_min_tokens"] = args.remote_prefill_min_tokens
     result["router_args"] = list(args.router_arg) if kind == "pdserve" else []
     return result
 
@@ -351,24 +357,9 @@ def _load(args: argparse.Namespace, router: Proc, procs: list[Proc], model: str,
     return shots, window
 
 
-def _native_built() -> bool:
-    """Build the native floor router now (so its build is not timed); False: it cannot be
-    built here, said why."""
-    from pdserve.bench.native_floor import binary, binary_name
-    from pdserve.common.native import kernels_dir
-
-    try:
-        if not (kernels_dir() / binary_name()).is_file():
-            print("building the native floor router (once, about a minute) ...", flush=True)
-        binary()
-    except (RuntimeError, OSError) as exc:
-        print(f"{exc}: the native floor is left out", flush=True)
-        return False
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pdserve.bench.native_floor import built_or_said
     from pdserve.bench.router_report import show, show_floor
 
     cpus = os.sched_getaffinity(0)  # each run splits them between its router and harness
@@ -381,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["floor"] = {}
                 for kind in args.floor:
                     os.sched_setaffinity(0, cpus)
-                    if kind == "native" and not _native_built():
+                    if kind == "native" and not built_or_said():
                         continue
                     result["floor"][kind] = run(plain, Path(tmp) / kind, kind)
                 show_floor(result)

@@ -5,7 +5,9 @@
 
 It serves Router.Generate (token ids only) and does what every disaggregated request needs and
 nothing more: Reserve on a decode worker, Prefill with its ticket on a prefill worker, the
-Decode stream, each token relayed as its own delta, the Timing and the Finish. Workers are
+Decode stream, its tokens relayed as they come (`--stream-interval`: N to a message), the
+Timing and the Finish; with `--remote-prefill-min-tokens`, a shorter prompt is prefilled on
+the decode worker (a Reserve and a Decode call, no Prefill) as pdserve's router does. Workers are
 taken in turn (no placement, no health checks, no Stats, no retries, no tokenizer, no
 metrics, no tracing, no logging). `--kind aio`: one asyncio loop (grpc.aio server and
 clients); `--kind sync`: the thread-pool server and blocking client calls (the cheapest sync
@@ -21,6 +23,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -41,18 +44,29 @@ MAX_STREAMS = 256  # in flight at once, beyond: RESOURCE_EXHAUSTED (pdserve's --
 BUSY = "the floor router is serving its limit of Generate streams"
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What a floor asks of the workers, as pdserve's router would be told."""
+
+    interval: int = 1    # tokens a Decode message after the first (--stream-interval)
+    here_below: int = 0  # prompts shorter prefill on the decode worker (0: none; pdserve's
+                         # --remote-prefill-min-tokens): a Reserve and a Decode call, no Prefill
+
+
 class _Request:
     """One Generate as both floors run it: the calls to make, and what to send back."""
 
-    def __init__(self, request: router_pb2.GenerateRequest, index: int, interval: int):
+    def __init__(self, request: router_pb2.GenerateRequest, index: int, shape: Shape):
         self.ids, self.rid = request.token_ids, request.request_id or f"floor{index}"
-        self.interval = interval  # DecodeRequest.stream_interval: tokens a message
+        self.interval = shape.interval  # DecodeRequest.stream_interval: tokens a message
         self.sampling = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True,
                                                   max_tokens=request.max_tokens or 8)
         self.reserve = decode_pb2.ReserveRequest(
             request_id=self.rid, num_prompt_tokens=len(self.ids), lease_ms=LEASE_MS,
-            prompt_token_ids=self.ids, prefill_here_below_tokens=1, sampling=self.sampling)
+            prompt_token_ids=self.ids, prefill_here_below_tokens=shape.here_below,
+            sampling=self.sampling)
         self.tokens, self.reason = 0, ""
+        self.here: decode_pb2.ReserveResponse | None = None  # prefilled on the decode worker
 
     def prefill(self, held: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillRequest:
         return prefill_pb2.PrefillRequest(request_id=self.rid, token_ids=self.ids,
@@ -73,10 +87,25 @@ class _Request:
                                               sampling=self.sampling,
                                               stream_interval=self.interval)
 
-    def relay(self, message: decode_pb2.DecodeResponse) -> router_pb2.GenerateResponse | None:
-        """A Decode message's tokens as a delta (None: it had none); `reason` set at the end."""
+    def local(self, held: decode_pb2.ReserveResponse) -> decode_pb2.DecodeRequest:
+        """The Decode call of a prompt the decode worker computes itself (it said so at
+        Reserve): its first message brings the first token, then the Timing goes out."""
+        self.here = held
+        return decode_pb2.DecodeRequest(ticket=held.ticket, prompt_token_ids=self.ids,
+                                        local_prefill=True, sampling=self.sampling,
+                                        stream_interval=self.interval)
+
+    def relay(self, message: decode_pb2.DecodeResponse) -> list[router_pb2.GenerateResponse]:
+        """A Decode message's tokens as a delta (none: it had none), and after a local
+        prefill's first token the Timing; `reason` set at the end."""
         self.reason = message.finish_reason
-        return self._delta(message.token_ids) if message.token_ids else None
+        out = [self._delta(message.token_ids)] if message.token_ids else []
+        if out and self.here is not None:
+            worker, self.here = self.here.ticket.decode_worker, None
+            out.append(router_pb2.GenerateResponse(request_id=self.rid, timing=router_pb2.Timing(
+                prefill_worker=worker, decode_worker=worker, prefill_ms=message.prefill_ms,
+                attempts=1)))
+        return out
 
     def finish(self) -> router_pb2.GenerateResponse:
         return router_pb2.GenerateResponse(request_id=self.rid, finish=router_pb2.Finish(
@@ -92,22 +121,22 @@ class _Request:
 class _Turns:
     """Workers of each role taken in turn."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any], interval: int):
-        self._prefill, self._decode, self._interval = prefill, decode, interval
+    def __init__(self, prefill: list[Any], decode: list[Any], shape: Shape):
+        self._prefill, self._decode, self._shape = prefill, decode, shape
         self._next = itertools.count()
 
     def pick(self, request: router_pb2.GenerateRequest) -> tuple[_Request, Any, Any]:
         i = next(self._next)
-        return (_Request(request, i, self._interval), self._prefill[i % len(self._prefill)],
+        return (_Request(request, i, self._shape), self._prefill[i % len(self._prefill)],
                 self._decode[i % len(self._decode)])
 
 
 class AioFloor(router_pb2_grpc.RouterServicer):
     def __init__(self, prefill: list[str], decode: list[str], max_streams: int,
-                 interval: int = 1):
+                 shape: Shape = Shape()):
         self._turns = _Turns(
             [prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(a)) for a in prefill],
-            [decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(a)) for a in decode], interval)
+            [decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(a)) for a in decode], shape)
         self._free = max_streams
 
     async def Generate(self, request: router_pb2.GenerateRequest,
@@ -128,14 +157,16 @@ class AioFloor(router_pb2_grpc.RouterServicer):
                         ) -> AsyncIterator[router_pb2.GenerateResponse]:
         r, p, d = self._turns.pick(request)
         held = await d.Reserve(r.reserve, timeout=TIMEOUT_S)
-        reply = await p.Prefill(r.prefill(held), timeout=TIMEOUT_S)
-        sent, decode = r.started(held, reply)
-        for message in sent:
-            yield message
+        decode = r.local(held) if held.prefilling_here else None
+        if decode is None:
+            reply = await p.Prefill(r.prefill(held), timeout=TIMEOUT_S)
+            sent, decode = r.started(held, reply)
+            for message in sent:
+                yield message
         if decode is not None:
             async for update in d.Decode(decode, timeout=TIMEOUT_S):
-                if (delta := r.relay(update)) is not None:
-                    yield delta
+                for message in r.relay(update):
+                    yield message
                 if r.reason:
                     break
         yield r.finish()
@@ -143,10 +174,10 @@ class AioFloor(router_pb2_grpc.RouterServicer):
 
 class SyncFloor(router_pb2_grpc.RouterServicer):
     def __init__(self, prefill: list[str], decode: list[str], max_streams: int,
-                 interval: int = 1):
+                 shape: Shape = Shape()):
         self._turns = _Turns(
             [prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(a)) for a in prefill],
-            [decode_pb2_grpc.DecodeStub(grpc.insecure_channel(a)) for a in decode], interval)
+            [decode_pb2_grpc.DecodeStub(grpc.insecure_channel(a)) for a in decode], shape)
         self._slots = threading.BoundedSemaphore(max_streams)
 
     def Generate(self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -156,12 +187,12 @@ class SyncFloor(router_pb2_grpc.RouterServicer):
         try:
             r, p, d = self._turns.pick(request)
             held = d.Reserve(r.reserve, timeout=TIMEOUT_S)
-            reply = p.Prefill(r.prefill(held), timeout=TIMEOUT_S)
-            sent, decode = r.started(held, reply)
-            yield from sent
+            decode = r.local(held) if held.prefilling_here else None
+            if decode is None:
+                sent, decode = r.started(held, p.Prefill(r.prefill(held), timeout=TIMEOUT_S))
+                yield from sent
             for update in d.Decode(decode, timeout=TIMEOUT_S) if decode is not None else ():
-                if (delta := r.relay(update)) is not None:
-                    yield delta
+                yield from r.relay(update)
                 if r.reason:
                     break
             yield r.finish()
@@ -175,7 +206,7 @@ async def _serve_aio(args: argparse.Namespace) -> None:
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(
         AioFloor(args.prefill.split(","), args.decode.split(","), args.max_streams,
-                 args.stream_interval), server)
+                 Shape(args.stream_interval, args.remote_prefill_min_tokens)), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
@@ -186,7 +217,7 @@ def _serve_sync(args: argparse.Namespace) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams + 8))
     router_pb2_grpc.add_RouterServicer_to_server(
         SyncFloor(args.prefill.split(","), args.decode.split(","), args.max_streams,
-                 args.stream_interval), server)
+                 Shape(args.stream_interval, args.remote_prefill_min_tokens)), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     server.start()
@@ -207,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="tokens per Decode message after the first (the workers hold "
                              "them; pdserve's router --stream-interval; default 1)")
+    parser.add_argument("--remote-prefill-min-tokens", type=int, default=0,
+                        help="shorter prompts are prefilled on the decode worker, with no "
+                             "Prefill call (pdserve's router flag; default 0: none)")
     args = parser.parse_args(argv)
     try:
         if args.kind == "aio":

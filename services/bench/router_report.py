@@ -157,6 +157,8 @@ def show(r: dict[str, Any]) -> None:
         f"{r['duration_s']:.1f} s measured"
         + ("; over the OpenAI HTTP API" if r.get("api") == "http" else "")
         + (f"; {n} tokens a message" if (n := r.get("stream_interval", 1)) > 1 else "")
+        + (f"; prompts under {t} tokens prefilled on the decode worker"
+           if (t := r.get("remote_prefill_min_tokens", 0)) else "")
         + (f"; router flags {' '.join(r['router_args'])}" if r.get("router_args") else ""),
         f"  completed           {r['completed']} of {r['sent']} ({r['failed']} failed"
         + (f": {r['errors']}" if r["errors"] else "") + ")",

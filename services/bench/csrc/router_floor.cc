@@ -2,10 +2,13 @@
 // `pdserve bench router --floor`, beside the Python floors of pdserve.bench.router_floor.
 //
 //   router_floor --port P --prefill A,B --decode C,D [--max-streams 256]
+//                [--stream-interval 1] [--remote-prefill-min-tokens 0]
 //
 // It serves Router.Generate (token ids only) exactly as the Python floors do: Reserve on a
-// decode worker, Prefill with its ticket on a prefill worker, the Decode stream, each token
-// relayed as its own delta, the Timing and the Finish; workers taken in turn; streams beyond
+// decode worker, Prefill with its ticket on a prefill worker, the Decode stream, its tokens
+// relayed as they come (N to a message), the Timing and the Finish (a shorter prompt than
+// --remote-prefill-min-tokens: prefilled on the decode worker, no Prefill call); workers taken
+// in turn; streams beyond
 // --max-streams refused with RESOURCE_EXHAUSTED; a worker's error passed on with its code.
 //
 // One thread drives everything through one completion queue (the server's and every client
@@ -77,6 +80,7 @@ struct Router {
   uint64_t next = 0;
   int free_streams = 0;
   int stream_interval = 1;  // tokens per Decode message after the first (the workers hold them)
+  int here_below = 0;       // shorter prompts prefill on the decode worker (0: none)
 };
 
 // One Generate, from the moment the server is ready to accept it until its last event.
@@ -122,7 +126,7 @@ class Call {
     reserve.set_num_prompt_tokens(request_.token_ids_size());
     reserve.set_lease_ms(kLeaseMs);
     *reserve.mutable_prompt_token_ids() = request_.token_ids();
-    reserve.set_prefill_here_below_tokens(1);
+    reserve.set_prefill_here_below_tokens(r_->here_below);
     *reserve.mutable_sampling() = sampling_;
     Client(&reserve_ctx_);
     reserve_ = decode_->AsyncReserve(&reserve_ctx_, reserve, r_->cq.get());
@@ -132,6 +136,14 @@ class Call {
   void Reserved(bool) {
     client_ = nullptr;
     if (!status_.ok()) return End(status_);
+    if (held_.prefilling_here()) {  // its first message brings the first token, then Timing
+      here_ = true;
+      pb::DecodeRequest decode;
+      *decode.mutable_ticket() = held_.ticket();
+      *decode.mutable_prompt_token_ids() = request_.token_ids();
+      decode.set_local_prefill(true);
+      return OpenDecode(std::move(decode));
+    }
     pb::PrefillRequest prefill;
     prefill.set_request_id(rid_);
     *prefill.mutable_token_ids() = request_.token_ids();
@@ -148,19 +160,16 @@ class Call {
     if (!status_.ok()) return End(status_);
     int first = reply_.first_token();
     Delta(&first, &first + 1);
-    pb::GenerateResponse timing;
-    timing.set_request_id(rid_);
-    pb::Timing* t = timing.mutable_timing();
-    t->set_prefill_worker(reply_.worker_id());
-    t->set_decode_worker(held_.ticket().decode_worker());
-    t->set_prefill_ms(reply_.prefill_ms());
-    t->set_attempts(1);
-    Send(std::move(timing));
+    Timing(reply_.worker_id(), reply_.prefill_ms());
     if (tokens_ >= sampling_.max_tokens()) return Complete();
     pb::DecodeRequest decode;
     *decode.mutable_ticket() = held_.ticket();
     *decode.mutable_prompt_token_ids() = request_.token_ids();
     decode.set_first_token(first);
+    OpenDecode(std::move(decode));
+  }
+
+  void OpenDecode(pb::DecodeRequest decode) {
     *decode.mutable_sampling() = sampling_;
     decode.set_stream_interval(r_->stream_interval);
     Client(&decode_ctx_);
@@ -182,6 +191,8 @@ class Call {
     }
     if (update_.token_ids_size() > 0) {
       Delta(update_.token_ids().begin(), update_.token_ids().end());
+      if (here_) Timing(held_.ticket().decode_worker(), update_.prefill_ms());
+      here_ = false;
     }
     if (!update_.finish_reason().empty()) reason_ = update_.finish_reason();
     stream_->Read(&update_, Issue(&read_));  // to the stream's end (no cancellation)
@@ -214,6 +225,17 @@ class Call {
     ctx->set_deadline(Deadline());
     client_ = ctx;
     if (cancelled_) ctx->TryCancel();
+  }
+
+  void Timing(const std::string& prefill_worker, double prefill_ms) {
+    pb::GenerateResponse timing;
+    timing.set_request_id(rid_);
+    pb::Timing* t = timing.mutable_timing();
+    t->set_prefill_worker(prefill_worker);
+    t->set_decode_worker(held_.ticket().decode_worker());
+    t->set_prefill_ms(prefill_ms);
+    t->set_attempts(1);
+    Send(std::move(timing));
   }
 
   template <typename It>
@@ -278,7 +300,7 @@ class Call {
       read_{this, &Call::ReadDone}, closed_{this, &Call::Closed}, done_{this, &Call::Done},
       wrote_{this, &Call::Wrote}, finished_{this, &Call::Finished};
   int pending_ = 0;
-  bool counted_ = false, cancelled_ = false;
+  bool counted_ = false, cancelled_ = false, here_ = false;
   pb::Prefill::Stub* prefill_ = nullptr;
   pb::Decode::Stub* decode_ = nullptr;
   std::string rid_;
@@ -332,7 +354,7 @@ class HealthCall final : public Event {
 void Usage(const std::string& why) {
   std::fprintf(stderr,
                "router_floor: %s\nusage: router_floor --port P --prefill A,B --decode C,D "
-               "[--max-streams 256] [--stream-interval 1]\n",
+               "[--max-streams 256] [--stream-interval 1] [--remote-prefill-min-tokens 0]\n",
                why.c_str());
   std::exit(2);
 }
@@ -352,6 +374,7 @@ int main(int argc, char** argv) {
     else if (flag == "--decode") decode = value;
     else if (flag == "--max-streams") r.free_streams = std::atoi(value.c_str());
     else if (flag == "--stream-interval") r.stream_interval = std::atoi(value.c_str());
+    else if (flag == "--remote-prefill-min-tokens") r.here_below = std::atoi(value.c_str());
     else Usage("unknown flag " + flag);
   }
   if (port.empty() || prefill.empty() || decode.empty()) Usage("--port, --prefill, --decode");
