@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--stream-interval {args.stream_interval}: must be 0..{MAX_INTERVAL}")
     if args.remote_prefill_min_tokens < 0:
         p.error(f"--remote-prefill-min-tokens {args.remote_prefill_min_tokens}: must be >= 0")
+    for flag in ("--stream-interval", "--remote-prefill-min-tokens"):
+        if any(a.split("=")[0] == flag for a in args.router_arg):
+            p.error(f"--router-arg={flag}: give the bench's {flag} (the floors take it too)")
     if args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
         p.error("--rate and --duration must be > 0, --warmup >= 0")
     if not 0 <= args.vanish < 1:

@@ -161,6 +161,9 @@ def test_bench_router_refuses_bad_flags_by_name():
     run = subprocess.run(pdserve_argv("bench", "router", "--stream-interval", "5000"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--stream-interval 5000: must be 0..4096" in run.stderr
+    run = subprocess.run(pdserve_argv("bench", "router", "--router-arg=--stream-interval=8"),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "give the bench's --stream-interval" in run.stderr
     run = subprocess.run(pdserve_argv("bench", "router", "--api", "http", "--floor"),
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "the floor routers serve gRPC only" in run.stderr
