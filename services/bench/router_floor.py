@@ -66,7 +66,7 @@ class _Request:
             prompt_token_ids=self.ids, prefill_here_below_tokens=shape.here_below,
             sampling=self.sampling)
         self.tokens, self.reason = 0, ""
-        self.here: decode_pb2.ReserveResponse | None = None  # prefilled on the decode worker
+        self.here = ""  # the decode worker prefilling the prompt, until its Timing went out
 
     def prefill(self, held: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillRequest:
         return prefill_pb2.PrefillRequest(request_id=self.rid, token_ids=self.ids,
@@ -76,10 +76,8 @@ class _Request:
     def started(self, held: decode_pb2.ReserveResponse, reply: prefill_pb2.PrefillResponse
                 ) -> tuple[list[router_pb2.GenerateResponse], decode_pb2.DecodeRequest | None]:
         """The first token and the Timing; the Decode call to open (None: nothing more)."""
-        timing = router_pb2.GenerateResponse(request_id=self.rid, timing=router_pb2.Timing(
-            prefill_worker=reply.worker_id, decode_worker=held.ticket.decode_worker,
-            prefill_ms=reply.prefill_ms, attempts=1))
-        sent = [self._delta([reply.first_token]), timing]
+        sent = [self._delta([reply.first_token]),
+                self._timing(reply.worker_id, held.ticket.decode_worker, reply.prefill_ms)]
         if self.tokens >= self.sampling.max_tokens:
             return sent, None
         return sent, decode_pb2.DecodeRequest(ticket=held.ticket, prompt_token_ids=self.ids,
@@ -90,7 +88,7 @@ class _Request:
     def local(self, held: decode_pb2.ReserveResponse) -> decode_pb2.DecodeRequest:
         """The Decode call of a prompt the decode worker computes itself (it said so at
         Reserve): its first message brings the first token, then the Timing goes out."""
-        self.here = held
+        self.here = held.ticket.decode_worker
         return decode_pb2.DecodeRequest(ticket=held.ticket, prompt_token_ids=self.ids,
                                         local_prefill=True, sampling=self.sampling,
                                         stream_interval=self.interval)
@@ -100,17 +98,21 @@ class _Request:
         prefill's first token the Timing; `reason` set at the end."""
         self.reason = message.finish_reason
         out = [self._delta(message.token_ids)] if message.token_ids else []
-        if out and self.here is not None:
-            worker, self.here = self.here.ticket.decode_worker, None
-            out.append(router_pb2.GenerateResponse(request_id=self.rid, timing=router_pb2.Timing(
-                prefill_worker=worker, decode_worker=worker, prefill_ms=message.prefill_ms,
-                attempts=1)))
+        if out and self.here:
+            out.append(self._timing(self.here, self.here, message.prefill_ms))
+            self.here = ""
         return out
 
     def finish(self) -> router_pb2.GenerateResponse:
         return router_pb2.GenerateResponse(request_id=self.rid, finish=router_pb2.Finish(
             finish_reason=self.reason or "length", prompt_tokens=len(self.ids),
             completion_tokens=self.tokens))
+
+    def _timing(self, prefill_worker: str, decode_worker: str, prefill_ms: float
+                ) -> router_pb2.GenerateResponse:
+        return router_pb2.GenerateResponse(request_id=self.rid, timing=router_pb2.Timing(
+            prefill_worker=prefill_worker, decode_worker=decode_worker, prefill_ms=prefill_ms,
+            attempts=1))
 
     def _delta(self, tokens: Any) -> router_pb2.GenerateResponse:
         self.tokens += len(tokens)
@@ -157,10 +159,10 @@ class AioFloor(router_pb2_grpc.RouterServicer):
                         ) -> AsyncIterator[router_pb2.GenerateResponse]:
         r, p, d = self._turns.pick(request)
         held = await d.Reserve(r.reserve, timeout=TIMEOUT_S)
-        decode = r.local(held) if held.prefilling_here else None
-        if decode is None:
-            reply = await p.Prefill(r.prefill(held), timeout=TIMEOUT_S)
-            sent, decode = r.started(held, reply)
+        if held.prefilling_here:
+            decode: decode_pb2.DecodeRequest | None = r.local(held)
+        else:
+            sent, decode = r.started(held, await p.Prefill(r.prefill(held), timeout=TIMEOUT_S))
             for message in sent:
                 yield message
         if decode is not None:
@@ -187,8 +189,9 @@ class SyncFloor(router_pb2_grpc.RouterServicer):
         try:
             r, p, d = self._turns.pick(request)
             held = d.Reserve(r.reserve, timeout=TIMEOUT_S)
-            decode = r.local(held) if held.prefilling_here else None
-            if decode is None:
+            if held.prefilling_here:
+                decode: decode_pb2.DecodeRequest | None = r.local(held)
+            else:
                 sent, decode = r.started(held, p.Prefill(r.prefill(held), timeout=TIMEOUT_S))
                 yield from sent
             for update in d.Decode(decode, timeout=TIMEOUT_S) if decode is not None else ():

@@ -54,10 +54,10 @@ class _Held:
             self.message = message
         else:
             absorb(self.message, message)
-        held = len(self.message.token_ids)
         if self.message.finish_reason:
             due, self.message = self.message, None
             return due
+        held = len(self.message.token_ids)
         if held < self.interval:
             return None
         # A reader that fell behind gets several steps' tokens at once: send the whole
