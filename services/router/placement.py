@@ -24,7 +24,7 @@ cached tokens, load and cost, and which term decided (`locality`, `load` or `roo
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.common.layout import pages_for_tokens
 
@@ -99,19 +99,45 @@ class Candidate:
                f"cost={self.cost:.0f}{note}"
 
 
-@dataclass(frozen=True)
 class Placement:
-    ranked: list[str]
-    candidates: list[Candidate] = field(default_factory=list)  # in ranked order
-    decided_by: str = ""  # "locality", "load", "room", "retry" or "only" (one candidate)
+    """A ranking, best first, with its explanation. The candidates, the deciding term and the
+    explanation line are built on first use, once: a request needs the ranking at once, the
+    explanation for its log line, and the rest only when asked."""
+
+    __slots__ = ("ranked", "_rows", "_candidates", "_explained")
+
+    def __init__(self, ranked: list[str], rows: Sequence[tuple] = ()):  # type: ignore[type-arg]
+        self.ranked = ranked
+        self._rows = rows  # sorted; each ends (address, cached tokens, load, cost, note)
+        self._candidates: list[Candidate] | None = None
+        self._explained = ""
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every candidate, in ranked order."""
+        if self._candidates is None:
+            self._candidates = [Candidate(*r[-5:]) for r in self._rows]
+        return self._candidates
+
+    @property
+    def decided_by(self) -> str:
+        """"locality", "load", "room", "retry" or "only" (one candidate)."""
+        return _decided_by([r[-4:] for r in self._rows])
 
     def explain(self, most: int = 4) -> str:
         """One line: the pick, the deciding term, the best `most` candidates."""
+        if most != 4:
+            return self._explain(most)
+        if not self._explained:
+            self._explained = self._explain(most)
+        return self._explained
+
+    def _explain(self, most: int) -> str:
         if not self.ranked:
             return "no healthy worker"
-        more = len(self.candidates) - most
+        more = len(self._rows) - most
         return f"{self.ranked[0]} by {self.decided_by}: " + \
-            "; ".join(c.describe() for c in self.candidates[:most]) + \
+            "; ".join(Candidate(*r[-5:]).describe() for r in self._rows[:most]) + \
             (f"; {more} more" if more > 0 else "")
 
 
@@ -130,10 +156,10 @@ def place_prefill(workers: Sequence[PrefillLoad], num_prompt_tokens: int = 0,
         cached = cached_pages.get(address, 0) * w.block_size
         cost = cache_weight * max(0, num_prompt_tokens - cached) + pending
         retry = address in avoid
-        rows.append((retry, cost, w.placed, address,
-                     Candidate(address, cached, pending, cost, "retry" if retry else "")))
-    rows.sort(key=lambda r: r[:4])
-    return _placement(rows)
+        rows.append((retry, cost, w.placed, address,  # the sort key: address is unique
+                     address, cached, pending, cost, "retry" if retry else ""))
+    rows.sort()
+    return Placement([r[3] for r in rows], rows)
 
 
 def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
@@ -168,34 +194,30 @@ def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
         retry = address in avoid
         note = "retry" if retry else "no room" if not fits else "busy" if busy else ""
         free = w.free_pages if w.free_pages is not None else 0
-        rows.append((retry, not fits, busy, cost, w.placed, -free, address,
-                     Candidate(address, cached, sequences, cost, note)))
-    rows.sort(key=lambda r: r[:7])
-    return _placement(rows)
+        rows.append((retry, not fits, busy, cost, w.placed, -free, address,  # the sort key
+                     address, cached, sequences, cost, note))
+    rows.sort()
+    return Placement([r[6] for r in rows], rows)
 
 
-def _placement(rows: list[tuple]) -> Placement:  # type: ignore[type-arg]
-    candidates: list[Candidate] = [r[-1] for r in rows]
-    return Placement([c.address for c in candidates], candidates, _decided_by(candidates))
-
-
-def _decided_by(candidates: list[Candidate]) -> str:
-    """Which term put the first candidate first."""
-    if not candidates:
+def _decided_by(figures: list[tuple[int, int, float, str]]) -> str:
+    """Which term put the first candidate first; `figures`: (cached tokens, load, cost, note)
+    of each candidate, in ranked order."""
+    if not figures:
         return ""
-    best, rest = candidates[0], candidates[1:]
+    (best_cached, best_load, _, best_note), rest = figures[0], figures[1:]
     if not rest:
         return "only"
-    if best.note == "retry":
+    if best_note == "retry":
         return "retry"
-    if any(c.note in ("no room", "busy") and c.cached_tokens > best.cached_tokens
-           for c in rest):
+    if any(note in ("no room", "busy") and cached > best_cached
+           for cached, _, _, note in rest):
         return "room"  # a worker holding more of the prompt was passed over for room
-    if any(c.load < best.load for c in rest if not c.note):
+    if any(load < best_load for _, load, _, note in rest if not note):
         return "locality"  # it won despite more load: its cache decided
-    if any(c.cached_tokens > best.cached_tokens for c in rest if not c.note):
+    if any(cached > best_cached for cached, _, _, note in rest if not note):
         return "load"
-    return "locality" if best.cached_tokens > max(c.cached_tokens for c in rest) else "load"
+    return "locality" if best_cached > max(cached for cached, _, _, _ in rest) else "load"
 
 
 def rank_prefill(workers: Sequence[PrefillLoad], avoid: Collection[str] = ()) -> list[str]:
