@@ -97,6 +97,10 @@ class RouterMetrics:
             "of them because the router's relay had fallen behind its decode worker: a router "
             "core near saturation (add a router replica, or raise --stream-interval)",
             registry=r)
+        self.relayed_natively = Counter(
+            "pdserve_relayed_natively", "requests whose decode tokens the router relayed in C++ "
+            "(its own native Decode call, a byte-level tokenizer; the rest in Python)",
+            registry=r)
         self.retries = Counter("pdserve_retries", "extra attempts (other workers) before a "
                                "request's first token", registry=r)
 

@@ -65,6 +65,12 @@ class NativeCall:
             if self._handle is not None:
                 self._lib.pdn_cancel(self._handle)
 
+    @property
+    def handle(self) -> int | None:
+        """The C++ call, for a reader in C++ (router/native_relay.py) while this one holds it;
+        None once it was read to its end here."""
+        return self._handle
+
     def _free(self) -> None:
         with self._lock:
             handle, self._handle = self._handle, None

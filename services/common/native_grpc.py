@@ -36,7 +36,7 @@ from pdserve.common.native import build_shared, kernels_dir
 log = logging.getLogger("pdserve.server")
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("grpc_server.cc", "grpc_calls.cc"))
+                for name in ("grpc_server.cc", "grpc_calls.cc", "token_relay.cc"))
 HEADER = SOURCES[0].with_name("grpc_options.h")
 NEEDS = "Debian: apt-get install libgrpc++-dev g++ pkg-config"
 CHOICES = ("auto", "native", "grpcio")

@@ -60,6 +60,11 @@ class Context(grpc.ServicerContext):
         self.status_details = ""
 
     # -- the call ----------------------------------------------------------------------------
+    @property
+    def native_call(self) -> int:
+        """The C++ call, for a writer in C++ while the handler runs (router/native_relay.py)."""
+        return self._call
+
     def is_active(self) -> bool:
         with self._lock:
             return not self._ended and bool(self._lib.pds_active(self._call))

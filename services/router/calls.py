@@ -28,7 +28,7 @@ import grpc.experimental
 from grpc_health.v1 import health_pb2
 from pdserve.common import tracing
 from pdserve.common.errors import ResourceExhausted, ServiceError
-from pdserve.common.native_calls import NativeChannel, NativeMethod
+from pdserve.common.native_calls import NativeCall, NativeChannel, NativeMethod
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -96,6 +96,12 @@ class OnThreadCall:
                 cancelled = self._cancelled
             if cancelled:
                 self._drain()
+
+    @property
+    def native_handle(self) -> int | None:
+        """The C++ call of a call on the native library (common/native_calls.py), else None."""
+        return getattr(self._call, "handle", None) if isinstance(self._call, NativeCall) \
+            else None
 
     def cancel(self) -> None:
         self._call.cancel()

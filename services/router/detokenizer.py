@@ -68,6 +68,11 @@ class IncrementalDetokenizer:
         self._emitted.append(delta)
         return delta
 
+    @property
+    def settled(self) -> bool:
+        """Every token's text was emitted: nothing is held back."""
+        return self._read == len(self._ids) and not self._in_bytes
+
     def flush(self) -> str:
         """The text still held at the end of the stream: what one full decode has beyond the
         text already emitted (may contain U+FFFD if the model stopped inside a character)."""
@@ -118,6 +123,11 @@ class StopMatcher:
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep]
 
+    @property
+    def held(self) -> str:
+        """The text held back as a possible stop string's beginning."""
+        return self._held
+
     def flush(self) -> str:
         """At the end of the stream, release text held back as a possible stop prefix."""
         held, self._held = ("" if self.stopped else self._held), ""
@@ -135,6 +145,11 @@ class OutputText:
     def stopped(self) -> bool:
         """True once a stop string was seen; no more text will be emitted."""
         return self._stops.stopped
+
+    def held_if_settled(self) -> str | None:
+        """The text held back as a possible stop string where the detokenizer holds nothing
+        (a point another relay can take the text on from), else None."""
+        return self._stops.held if self._detok.settled and not self._stops.stopped else None
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text to send now (maybe "")."""

@@ -35,12 +35,15 @@ from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
+from pdserve.common.native_server import QUEUED
 from pdserve.common.wire import rank_from_pb
+from pdserve.router import native_relay
 from pdserve.router.api import Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.attempts import AttemptRunner
 from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.detokenizer import OutputText
+from pdserve.router.native_relay import Outcome, Relay, Relayer
 from pdserve.router.placement import DEFAULT_WEIGHTS, Weights
 from pdserve.router.pool import WorkerPool
 from pdserve.router.record import RequestRecord
@@ -50,6 +53,7 @@ from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import Generation, validate
 
 log = logging.getLogger("pdserve.router")
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class Completion:
@@ -92,6 +96,15 @@ class Completion:
         self.finish_reason = reason
         return self._text.finish()
 
+    def native(self, relayer: Relayer, request_id: str) -> Relay | None:
+        """This completion's state in a native relay, from here on (None: the detokenizer
+        holds part of a character now, so the Python relay goes on)."""
+        held = self._text.held_if_settled()
+        if held is None or self.finish_reason:
+            return None
+        return relayer.relay(request_id, self._gen.sampling.max_tokens, self.tokens,
+                             sorted(self._eos), self._gen.stop, held)
+
 
 class Lifecycle:
     """Runs Generate calls against a worker pool; `stop_admitting` starts a drain."""
@@ -102,8 +115,10 @@ class Lifecycle:
                  renew_lease_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
                  metrics: RouterMetrics | None = None, cache: CacheFeeds | None = None,
                  weights: Weights = DEFAULT_WEIGHTS, remote_prefill_min_tokens: int = 0,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, relayer: Relayer | None = None):
         self.model_name = model_name
+        # decode tokens relayed in C++ where the call and the tokenizer allow (native_relay.py)
+        self._relayer = relayer if clock is time.monotonic and not failpoints.active() else None
         self.metrics = metrics or RouterMetrics()
         self._pool = pool
         self._tokenizer = tokenizer
@@ -138,13 +153,15 @@ class Lifecycle:
         return min(limits, default=None)
 
     def generate(self, request: GenerateInput, scope: CallScope,
-                 received: float | None = None, *, api: str = "grpc", parking: bool = False
-                 ) -> Iterator[StreamEvent | Parked]:
+                 received: float | None = None, *, api: str = "grpc", parking: bool = False,
+                 server_call: int | None = None) -> Iterator[StreamEvent | Parked]:
         """The event stream of one request. Raises `ServiceError` for a failed request; ends
         quietly when the client cancelled. `api` names the front door in metrics and logs.
 
         `parking`: yield `Parked` instead of waiting for the decode worker's next message on
-        a shared stream (the caller parks the stream and goes; see http_bridge)."""
+        a shared stream (the caller parks the stream and goes; see http_bridge).
+        `server_call`: the client's call on the native server, where the deltas after the
+        first decode message may be written from C++ (native_relay.py) instead of yielded."""
         received = self._clock() if received is None else received
         span = tracing.start_span("router.generate", kind=tracing.SERVER, model=self.model_name)
         record = RequestRecord(request_id=request.request_id or "-", api=api,
@@ -168,7 +185,7 @@ class Lifecycle:
                 started = self._runner.run(gen, scope, ends_at_first_token)
             with scope.guard(started.reservation.release_nowait):
                 yield from self._stream(gen, started, completions[-1], scope, received, record,
-                                        span, parking)
+                                        span, parking, None if parking else server_call)
         except (ClientCancelled, GeneratorExit) as exc:
             record.status = "CANCELLED"
             tracing.record_error(span, exc)
@@ -194,7 +211,8 @@ class Lifecycle:
 
     def _stream(self, gen: Generation, started: Started, completion: Completion,
                 scope: CallScope, received: float, record: RequestRecord,
-                span: tracing.Span, parking: bool) -> Iterator[StreamEvent | Parked]:
+                span: tracing.Span, parking: bool, server_call: int | None
+                ) -> Iterator[StreamEvent | Parked]:
         rid = gen.request_id
         reservation = started.reservation
         clock = TokenClock(received)
@@ -220,7 +238,8 @@ class Lifecycle:
             else:
                 decode_finished = yield from self._relay(started.decode, first_delta, completion,
                                                          timing, clock, record, scope,
-                                                         reservation.address, parking)
+                                                         reservation.address, parking,
+                                                         server_call)
             self._settle(started, decode_finished, completion, scope)
             record.finish_reason = completion.finish_reason
             record.completion_tokens = completion.tokens
@@ -243,6 +262,7 @@ class Lifecycle:
         scope: CallScope,
         address: str,
         parking: bool,
+        server_call: int | None,
     ) -> Generator[StreamEvent | Parked, None, bool]:
         """Relay decode's stream; returns True when decode itself finished the sequence."""
         timing.decode_start_ms = stream.first.decode_start_ms
@@ -274,6 +294,12 @@ class Lifecycle:
                             if parking and not message.finish_reason:  # the router ends it:
                                 yield Parked(None)  # its release blocks, not on the reader
                             return bool(message.finish_reason)
+                        relay = self._native(stream, completion, rid, server_call)
+                        if relay is not None:
+                            with relay:
+                                return self._relayed(relay.run(
+                                    server_call or 0, stream.call.native_handle, QUEUED),
+                                    completion, clock, scope, address)
                 except grpc.RpcError as exc:
                     if scope.cancelled:
                         raise ClientCancelled() from None
@@ -288,6 +314,45 @@ class Lifecycle:
             stream.span.set_attributes({"decode_start_ms": timing.decode_start_ms,
                                         "completion_tokens": completion.tokens,
                                         "finish_reason": completion.finish_reason})
+
+    def _native(self, stream: DecodeStream, completion: Completion, rid: str,
+                server_call: int | None) -> Relay | None:
+        """The rest of the stream relayed in C++, where it can be: the client's call on the
+        native server, the sequence's own native Decode call, a qualifying tokenizer."""
+        if self._relayer is None or server_call is None:
+            return None
+        if getattr(stream.call, "native_handle", None) is None:  # a shared stream, or grpcio
+            return None
+        return completion.native(self._relayer, rid)
+
+    def _relayed(self, outcome: Outcome, completion: Completion, clock: TokenClock,
+                 scope: CallScope, address: str) -> bool:
+        """What the native relay did, as the Python relay would have: the count, the clock
+        and its ITL samples, the errors; True when decode itself finished the sequence."""
+        self.metrics.relayed_natively.inc()
+        completion.tokens = outcome.tokens
+        for at, tokens in outcome.sent:
+            gap_s = clock.sent(tokens, at)
+            if gap_s is not None:
+                self.metrics.itl.observe(gap_s)
+        if outcome.code in (native_relay.ROUTER_FINISHED, native_relay.DECODE_FINISHED):
+            completion.finish_reason = outcome.finish_reason
+            return outcome.code == native_relay.DECODE_FINISHED
+        if outcome.code == native_relay.ABORTED:
+            raise Aborted(f"decode {address} aborted the sequence after {completion.tokens} "
+                          f"tokens")
+        if outcome.code == native_relay.CLIENT_GONE or scope.cancelled:
+            raise ClientCancelled()
+        if outcome.code == native_relay.FAILED:
+            code = _STATUS.get(outcome.status, grpc.StatusCode.UNKNOWN).name
+            raise ServiceError(
+                f"decode {address} (decoding) failed after {completion.tokens} tokens were "
+                f"streamed: {code} {outcome.details}", code)
+        if outcome.code == native_relay.BAD_MESSAGE:
+            raise ServiceError(f"decode {address} (decoding): a Decode message that does not "
+                               f"parse after {completion.tokens} tokens", "INTERNAL")
+        raise Unavailable(f"decode {address} (decoding): stream ended without a finish "
+                          f"reason after {completion.tokens} tokens")
 
     @staticmethod
     def _settle(started: Started, decode_finished: bool, completion: Completion,

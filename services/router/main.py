@@ -36,6 +36,7 @@ from pdserve.router.config import SERVICE, RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.http_server import HttpFrontDoor
 from pdserve.router.lifecycle import Lifecycle
+from pdserve.router.native_relay import Relayer
 from pdserve.router.peers import PeerPlacements
 from pdserve.router.pool import WorkerPool
 from pdserve.router.servicer import RouterServicer
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                           decode_start_timeout_s=cfg.decode_start_timeout_s,
                           renew_lease_s=cfg.lease_ms / 1e3, cache=feeds, weights=cfg.weights,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
-                          stream_interval=cfg.stream_interval)
+                          stream_interval=cfg.stream_interval,
+                          relayer=Relayer.create(native if cfg.native_relay else None,
+                                                 tokenizer))
     servicer = RouterServicer(lifecycle, cfg.max_streams)
     peers: PeerPlacements | None = None
     if cfg.peers and feeds is not None:

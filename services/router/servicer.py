@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 from pdserve.common.errors import ResourceExhausted
+from pdserve.common.native_server import Context as NativeContext
 from pdserve.common.wire import rank_to_pb
 from pdserve.router.api import ChatMessage, Delta, Finish, GenerateInput, StreamEvent, Timing
 from pdserve.router.cancel import CallScope
@@ -77,7 +78,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             scope = CallScope()
             if not context.add_callback(scope.cancel):  # the call already ended
                 scope.cancel()
-            for event in self._lifecycle.generate(input_from_pb(request), scope):
+            server_call = context.native_call if isinstance(context, NativeContext) else None
+            for event in self._lifecycle.generate(input_from_pb(request), scope,
+                                                  server_call=server_call):
                 assert not isinstance(event, Parked)  # only with parking=True
                 yield event_to_pb(event)
         finally:

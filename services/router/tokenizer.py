@@ -145,6 +145,10 @@ class Tokenizer:
                                             skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def plain_backend(self) -> Any:
+        """The Rust tokenizer whose `decode` is this `decode` (None: transformers' own)."""
+        return getattr(self._backend_decode, "__self__", None)
+
 
 def _plain_backend_decode(tokenizer: Any) -> Any:
     """The Rust tokenizer's own `decode` where transformers' `decode` would only wrap it:

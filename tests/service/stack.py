@@ -7,7 +7,7 @@ import dataclasses
 import random
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -125,11 +125,13 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
 
 
 @contextlib.contextmanager
-def pdserve_stacks(*arg_lists: tuple[str, ...], env: dict[str, str] | None = None
-                   ) -> Iterator[list[Stack]]:
+def pdserve_stacks(*arg_lists: tuple[str, ...], env: dict[str, str] | None = None,
+                   envs: Sequence[dict[str, str]] = ()) -> Iterator[list[Stack]]:
     """Several `pdserve up ARGS` stacks started, and stopped, side by side, so their start-up
-    and shut-down waits overlap; each on ports of its own."""
-    managers = [pdserve_stack(*args, env=env) for args in arg_lists]
+    and shut-down waits overlap; each on ports of its own. `envs`: each stack's own
+    environment on top of `env`."""
+    managers = [pdserve_stack(*args, env={**(env or {}), **(envs[i] if i < len(envs) else {})})
+                for i, args in enumerate(arg_lists)]
     entered: list[tuple[contextlib.AbstractContextManager[Stack], Stack]] = []
     with ThreadPoolExecutor(max(1, len(managers))) as pool:
         futures = [pool.submit(m.__enter__) for m in managers]

@@ -17,7 +17,7 @@ from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from tests.conftest import MAX_TOKENS, PROMPTS
 from tests.service.stack import collect, pdserve_stacks
-from tests.support import wait_for
+from tests.support import samples, value, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -37,12 +37,21 @@ WORKER_ENV = {
 TRANSPORTS = ["shm", "ucx", "tcp"]
 
 
+# The tcp stack's router runs each sequence on its own Decode call, as it does past 64 decode
+# workers, so its tokens are relayed in C++ (router/native_relay.py); the others' on the
+# worker's shared stream, in Python. Every test here holds for both relays.
+NATIVE_RELAY = "tcp"
+RELAYED = "pdserve_relayed_natively_total"
+
+
 @pytest.fixture(scope="module")
 def stacks(tiny_model_dir):
     """{transport: stack}, the three started side by side (their start-ups overlap)."""
     flags = {t: () if t == "shm" else ("--transport", t, "--no-same-host-copy")
              for t in TRANSPORTS}
-    with pdserve_stacks(*flags.values(), env=WORKER_ENV) as running:
+    envs = [{"PDSERVE_ROUTER_SHARED_DECODE_STREAM": "0"} if t == NATIVE_RELAY else {}
+            for t in TRANSPORTS]
+    with pdserve_stacks(*flags.values(), env=WORKER_ENV, envs=envs) as running:
         for transport, s in zip(TRANSPORTS, running, strict=True):
             s.transport = transport
         yield dict(zip(TRANSPORTS, running, strict=True))
@@ -72,8 +81,30 @@ def _check(prompt, got_ids, text, timing, finish, reference, transport):
 
 
 def test_greedy_output_equals_transformers_one_by_one(stack, reference):
+    before = value(samples(stack.scrape("router")), RELAYED)
     for prompt in PROMPTS:
         _check(prompt, *_greedy(stack, prompt), reference, stack.transport)
+    relayed = value(samples(stack.scrape("router")), RELAYED) - before
+    assert relayed == (len(PROMPTS) if stack.transport == NATIVE_RELAY else 0)
+
+
+def test_a_stop_string_cuts_the_text_where_transformers_text_has_it(stack, reference):
+    """The text up to the first stop string, the string itself withheld, "stop"; its tokens
+    are the reference's up to the one that completed it (the same from either relay)."""
+    tok, refs = reference
+    for prompt in PROMPTS[:3]:
+        ref_ids = refs[prompt][1]
+        full = tok.decode(ref_ids, skip_special_tokens=True)
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        cut = full.index(stop)
+        ids, text, _, finish = collect(stack.generate(prompt=prompt, max_tokens=MAX_TOKENS,
+                                                      temperature=0.0, stop=[stop]))
+        assert text == full[:cut] and finish.finish_reason == "stop", (prompt, stop)
+        assert ids == ref_ids[:len(ids)]
+        assert stop in tok.decode(ids, skip_special_tokens=True)
+        assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
+    # the router ended each sequence: decode was told to free its pages
+    assert wait_for(lambda: stack.decode_stats().free_pages == stack.decode_stats().num_pages)
 
 
 def test_a_long_prompt_ships_chunk_by_chunk_while_prefill_runs(stack, reference):

@@ -22,10 +22,13 @@ from tests.support import wait_for
 pytestmark = pytest.mark.service
 
 EOS = 1
+# the tests of the decode stream's relay run on both relays (conftest.py's `stack`)
+RELAYS = pytest.mark.parametrize("stack", ["python", "native"], indirect=True)
 
 
-def test_stream_order_text_timing_and_finish(stack, tok):
-    script, stub, _ = stack
+@RELAYS
+def test_stream_order_text_timing_and_finish(request, stack, tok):
+    script, stub, lifecycle = stack
     n = len(script.tokens)
     out = run(stub, prompt="the fox", max_tokens=n, request_id="req-1")
     assert kinds(out) == "dt" + "d" * (n - 1) + "f"
@@ -38,6 +41,8 @@ def test_stream_order_text_timing_and_finish(stack, tok):
     assert timing.queue_ms >= 1.0 and timing.ttft_ms > 0 and timing.decode_worker == "d0"
     assert (finish.finish_reason, finish.completion_tokens) == ("length", n)
     assert finish.prompt_tokens == len(tok.encode("the fox"))
+    native = request.node.callspec.params["stack"] == "native"
+    assert lifecycle.metrics.relayed_natively._value.get() == (1 if native else 0)
     assert finish.e2e_ms >= timing.ttft_ms and finish.tpot_ms > 0 and finish.itl_max_ms > 0
     request = script.decodes[0]
     assert request.first_token == script.tokens[0]
@@ -129,6 +134,7 @@ def test_no_room_on_any_decode_is_resource_exhausted_at_once(stack):
     assert script.prefills == []
 
 
+@RELAYS
 def test_failure_after_tokens_ends_stream_with_error_no_repeat(stack):
     script, stub, _ = stack
     script.decode_fail_after = 2
@@ -164,6 +170,7 @@ def test_client_cancel_during_prefill_cancels_it_and_frees_pages(stack):
     assert script.decodes == []
 
 
+@RELAYS
 def test_client_cancel_during_decode_stops_stream_and_aborts(stack):
     script, stub, _ = stack
     script.block_decode_after = 3
