@@ -35,7 +35,6 @@ from pdserve.common import failpoints, tracing
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
 from pdserve.common.logs import outcome
 from pdserve.common.metrics import RouterMetrics
-from pdserve.common.native_server import QUEUED
 from pdserve.common.wire import rank_from_pb
 from pdserve.router import native_relay
 from pdserve.router.api import Delta, Finish, GenerateInput, StreamEvent, Timing
@@ -298,7 +297,7 @@ class Lifecycle:
                         if relay is not None:
                             with relay:
                                 return self._relayed(relay.run(
-                                    server_call or 0, stream.call.native_handle, QUEUED),
+                                    server_call or 0, stream.call.native_handle),
                                     completion, clock, scope, address)
                 except grpc.RpcError as exc:
                     if scope.cancelled:

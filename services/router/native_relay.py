@@ -87,7 +87,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                             ctypes.c_size_t]
     lib.pdr_accept.argtypes = [_p, _i32_p, ctypes.c_int, ctypes.c_char_p, _i32_p,
                                ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
-    lib.pdr_run.argtypes = [_p, _p, _p, ctypes.c_int]
+    lib.pdr_run.argtypes = [_p, _p, _p]
     lib.pdr_finish_reason.restype = ctypes.c_char_p
     lib.pdr_sent.argtypes = [_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_double)),
                              ctypes.POINTER(_i32_p)]
@@ -138,10 +138,10 @@ class Relay:
         """"stop" or "length" once the request is finished ("" before)."""
         return (self._lib.pdr_finish_reason(self._handle) or b"").decode()
 
-    def run(self, server_call: int, decode_call: int, queued: int) -> Outcome:
+    def run(self, server_call: int, decode_call: int) -> Outcome:
         """Relay until the sequence ends, the call fails or the client is gone."""
         lib = self._lib
-        code = lib.pdr_run(self._handle, server_call, decode_call, queued)
+        code = lib.pdr_run(self._handle, server_call, decode_call)
         at, counts = ctypes.POINTER(ctypes.c_double)(), _i32_p()
         n = lib.pdr_sent(self._handle, ctypes.byref(at), ctypes.byref(counts))
         details = ctypes.c_char_p()

@@ -12,6 +12,7 @@
 //   pdn_next(call, &data, &len)  1: a message (valid until the next pdn_next), 0: the end
 //   pdn_status(call, &details)   the final status code (after pdn_next said 0)
 //   pdn_cancel(call)             from any thread;   pdn_free(call), pdn_channel_free(channel)
+//   pdn_sink(call, sink, context)  the messages to `sink` on the driver thread from now on
 
 #include <absl/synchronization/mutex.h>
 #include <grpcpp/generic/generic_stub.h>
@@ -36,6 +37,10 @@ grpc::CompletionQueue* queue = nullptr;
 std::once_flag queue_started;
 
 class Call;
+
+// Where a call's messages go as they arrive (pdn_sink): (context, data, len, end, status code,
+// details); returns 0 once it wants no more.
+using Sink = int (*)(void*, const char*, size_t, int, int, const char*);
 
 // What a completion-queue tag points at: which event of which call.
 struct Op {
@@ -109,6 +114,21 @@ class Call {
     return done_ ? status_.error_code() : -1;
   }
 
+  // From now on each message (and the end) goes to `sink` on the driver thread as it
+  // arrives, those already here first (on this thread); a sink that returns 0 is done, and
+  // what comes after it is kept for pdn_next as before.
+  void SetSink(Sink sink, void* context) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sink_ = sink;
+    sink_context_ = context;
+    while (sink_ != nullptr && !messages_.empty()) {
+      std::string message = std::move(messages_.front());
+      messages_.pop_front();
+      if (!sink_(sink_context_, message.data(), message.size(), 0, 0, "")) sink_ = nullptr;
+    }
+    if (sink_ != nullptr && done_) EndSink();
+  }
+
   // One of the two owners (the Python handle, the driver) lets go.
   void Release() {
     bool last;
@@ -135,10 +155,16 @@ class Call {
       std::lock_guard<std::mutex> lock(mu_);
       if (end) {
         done_ = true;
+        if (sink_ != nullptr) EndSink();
       } else {
         grpc::Slice slice;
         if (in_.DumpToSingleSlice(&slice).ok()) {
-          messages_.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
+          const char* data = reinterpret_cast<const char*>(slice.begin());
+          if (sink_ == nullptr) {
+            messages_.emplace_back(data, slice.size());
+          } else if (!sink_(sink_context_, data, slice.size(), 0, 0, "")) {
+            sink_ = nullptr;
+          }
         }
         in_.Clear();
       }
@@ -147,7 +173,15 @@ class Call {
     if (end) Release();
   }
 
+  void EndSink() {  // mu_ held, done_ set: the status goes to the sink
+    details_ = status_.error_message();
+    sink_(sink_context_, nullptr, 0, 1, status_.error_code(), details_.c_str());
+    sink_ = nullptr;
+  }
+
   Op start_, write_, read_, finish_, unary_;
+  Sink sink_ = nullptr;
+  void* sink_context_ = nullptr;
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream_;
   std::unique_ptr<grpc::ClientAsyncResponseReader<grpc::ByteBuffer>> unary_call_;
   grpc::ByteBuffer in_;
@@ -248,6 +282,10 @@ int pdn_status(void* call, const char** details) {
 }
 
 void pdn_cancel(void* call) { static_cast<Call*>(call)->context.TryCancel(); }
+
+void pdn_sink(void* call, Sink sink, void* context) {
+  static_cast<Call*>(call)->SetSink(sink, context);
+}
 
 void pdn_free(void* handle) {
   auto* call = static_cast<Call*>(handle);

@@ -14,21 +14,22 @@
 //   pdr_vocab(bytes, offsets, n) -> vocab         token i: bytes[offsets[i]:offsets[i+1]]
 //   pdr_new(vocab, request_id, max_tokens, tokens, eos, n_eos, stops, held) -> relay
 //   pdr_accept(relay, ids, n, finish, &text, &len) -> taken   (no gRPC: what one message does)
-//   pdr_run(relay, server_call, decode_call, queued) -> outcome (GIL released: it waits)
+//   pdr_run(relay, server_call, decode_call) -> outcome   (GIL released: it waits)
 //   pdr_tokens / pdr_finish_reason / pdr_sent / pdr_status, pdr_free, pdr_vocab_free
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <unordered_set>
 #include <vector>
 
 extern "C" {
-int pdn_next(void* call, const char** data, size_t* len);
-int pdn_status(void* call, const char** details);
+void pdn_sink(void* call, int (*sink)(void*, const char*, size_t, int, int, const char*),
+              void* context);
 int pds_write(void* call, const char* data, size_t len);
-int pds_wait_below(void* call, int n);
 }
 
 namespace {
@@ -201,32 +202,16 @@ class Relay {
     return true;
   }
 
-  int Run(void* server, void* decode, int queued) {
-    const char* data;
-    size_t len;
-    std::vector<int32_t> ids;
-    std::string finish;
-    while (pdn_next(decode, &data, &len)) {
-      ids.clear();
-      finish.clear();
-      if (!ParseDecodeResponse(data, len, &ids, &finish)) return kBadMessage;
-      if (!Accept(ids, finish)) return kAborted;
-      if (!taken_.empty() || !text_.empty()) {
-        Encode();
-        int n = pds_write(server, out_.data(), out_.size());
-        double now = Now();
-        if (n < 0 || (n >= queued && !pds_wait_below(server, queued / 2))) return kClientGone;
-        if (!taken_.empty()) {
-          sent_at_.push_back(now);
-          sent_tokens_.push_back(static_cast<int32_t>(taken_.size()));
-        }
-      }
-      if (!finish_.empty()) return decode_finished_ ? kDecodeFinished : kRouterFinished;
-    }
-    const char* details;
-    status_code_ = pdn_status(decode, &details);
-    status_details_ = details ? details : "";
-    return status_code_ != 0 ? kFailed : kNoFinish;
+  // Relay until the sequence ends, the call fails or the client is gone: each message is
+  // taken on the decode call's own (driver) thread as it arrives (pdn_sink), this thread
+  // waits for the outcome. Nothing waits for the client to read: what it has not read yet
+  // is kept by its call instead of by the decode call.
+  int Run(void* server, void* decode) {
+    server_ = server;
+    pdn_sink(decode, &Relay::Sink, this);
+    std::unique_lock<std::mutex> lock(mu_);
+    over_.wait(lock, [this] { return outcome_ >= 0; });
+    return outcome_;
   }
 
   const std::string& text() const { return text_; }
@@ -239,6 +224,40 @@ class Relay {
   const std::string& status_details() const { return status_details_; }
 
  private:
+  static int Sink(void* self, const char* data, size_t len, int end, int code,
+                  const char* details) {
+    auto* relay = static_cast<Relay*>(self);
+    int outcome = relay->Take(data, len, end, code, details);
+    if (outcome < 0) return 1;
+    std::lock_guard<std::mutex> lock(relay->mu_);  // notified under it: Run's caller frees us
+    relay->outcome_ = outcome;
+    relay->over_.notify_all();
+    return 0;
+  }
+
+  // One Decode message (or the call's end): the outcome, or -1 to go on.
+  int Take(const char* data, size_t len, int end, int code, const char* details) {
+    if (end) {
+      status_code_ = code;
+      status_details_ = details ? details : "";
+      return code != 0 ? kFailed : kNoFinish;
+    }
+    ids_.clear();
+    decode_finish_.clear();
+    if (!ParseDecodeResponse(data, len, &ids_, &decode_finish_)) return kBadMessage;
+    if (!Accept(ids_, decode_finish_)) return kAborted;
+    if (!taken_.empty() || !text_.empty()) {
+      Encode();
+      if (pds_write(server_, out_.data(), out_.size()) < 0) return kClientGone;
+      if (!taken_.empty()) {
+        sent_at_.push_back(Now());
+        sent_tokens_.push_back(static_cast<int32_t>(taken_.size()));
+      }
+    }
+    if (!finish_.empty()) return decode_finished_ ? kDecodeFinished : kRouterFinished;
+    return -1;
+  }
+
   void Push(int32_t id) {  // OutputText.push: detokenize, then stop strings
     if (id >= 0 && static_cast<size_t>(id) + 1 < vocab_->offsets.size()) {
       uint32_t a = vocab_->offsets[id], b = vocab_->offsets[id + 1];
@@ -313,6 +332,12 @@ class Relay {
   std::vector<int32_t> sent_tokens_;
   int status_code_ = 0;
   std::string status_details_;
+  void* server_ = nullptr;
+  std::vector<int32_t> ids_;
+  std::string decode_finish_;
+  std::mutex mu_;
+  std::condition_variable over_;
+  int outcome_ = -1;
 };
 
 }  // namespace
@@ -359,8 +384,8 @@ int pdr_accept(void* relay, const int32_t* ids, int n, const char* finish, int32
   return static_cast<int>(r->taken().size());
 }
 
-int pdr_run(void* relay, void* server_call, void* decode_call, int queued) {
-  return static_cast<Relay*>(relay)->Run(server_call, decode_call, queued);
+int pdr_run(void* relay, void* server_call, void* decode_call) {
+  return static_cast<Relay*>(relay)->Run(server_call, decode_call);
 }
 
 int pdr_tokens(void* relay) { return static_cast<Relay*>(relay)->tokens(); }
