@@ -82,7 +82,8 @@ def _run(argv: list[str]) -> str:
 # microseconds, and a thread that lets the GIL go hands it to any other that wants it.
 _QUICK = ("pds_describe", "pds_identities", "pds_write", "pds_finish", "pds_active",
           "pds_cancel", "pds_release", "pdn_start", "pdn_status", "pdn_cancel", "pdn_free",
-          "pdn_channel_free")
+          "pdn_channel_free", "pdr_vocab", "pdr_vocab_free", "pdr_new", "pdr_free", "pdr_accept",
+          "pdr_feed", "pdr_tokens", "pdr_finish_reason", "pdr_sent", "pdr_status")
 
 
 @functools.cache

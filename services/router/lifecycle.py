@@ -42,6 +42,7 @@ from pdserve.router.attempts import AttemptRunner
 from pdserve.router.cache_feed import CacheFeeds
 from pdserve.router.cancel import CallScope, ClientCancelled
 from pdserve.router.detokenizer import OutputText
+from pdserve.router.mux import SequenceStream
 from pdserve.router.native_relay import Outcome, Relay, Relayer
 from pdserve.router.placement import DEFAULT_WEIGHTS, Weights
 from pdserve.router.pool import WorkerPool
@@ -52,7 +53,6 @@ from pdserve.router.tokenizer import Tokenizer
 from pdserve.router.validation import Generation, validate
 
 log = logging.getLogger("pdserve.router")
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class Completion:
@@ -293,12 +293,11 @@ class Lifecycle:
                             if parking and not message.finish_reason:  # the router ends it:
                                 yield Parked(None)  # its release blocks, not on the reader
                             return bool(message.finish_reason)
-                        relay = self._native(stream, completion, rid, server_call)
-                        if relay is not None:
-                            with relay:
-                                return self._relayed(relay.run(
-                                    server_call or 0, stream.call.native_handle),
-                                    completion, clock, scope, address)
+                        relayed = self._native(stream, completion, rid, server_call)
+                        if relayed is not None:
+                            self.metrics.relayed_natively.inc()
+                            return native_relay.settle(relayed, completion, clock,
+                                                       self.metrics.itl.observe, scope, address)
                 except grpc.RpcError as exc:
                     if scope.cancelled:
                         raise ClientCancelled() from None
@@ -315,43 +314,23 @@ class Lifecycle:
                                         "finish_reason": completion.finish_reason})
 
     def _native(self, stream: DecodeStream, completion: Completion, rid: str,
-                server_call: int | None) -> Relay | None:
-        """The rest of the stream relayed in C++, where it can be: the client's call on the
-        native server, the sequence's own native Decode call, a qualifying tokenizer."""
+                server_call: int | None) -> Outcome | None:
+        """The rest of the stream relayed in C++, where it can be (the client's call on the
+        native server, a qualifying tokenizer; the sequence's own native Decode call, or a
+        shared stream): how it ended; None: the Python relay goes on."""
         if self._relayer is None or server_call is None:
             return None
-        if getattr(stream.call, "native_handle", None) is None:  # a shared stream, or grpcio
+        call = stream.call
+        handle: int | None = getattr(call, "native_handle", None)
+        if handle is None and not isinstance(call, SequenceStream):  # a grpcio call
             return None
-        return completion.native(self._relayer, rid)
-
-    def _relayed(self, outcome: Outcome, completion: Completion, clock: TokenClock,
-                 scope: CallScope, address: str) -> bool:
-        """What the native relay did, as the Python relay would have: the count, the clock
-        and its ITL samples, the errors; True when decode itself finished the sequence."""
-        self.metrics.relayed_natively.inc()
-        completion.tokens = outcome.tokens
-        for at, tokens in outcome.sent:
-            gap_s = clock.sent(tokens, at)
-            if gap_s is not None:
-                self.metrics.itl.observe(gap_s)
-        if outcome.code in (native_relay.ROUTER_FINISHED, native_relay.DECODE_FINISHED):
-            completion.finish_reason = outcome.finish_reason
-            return outcome.code == native_relay.DECODE_FINISHED
-        if outcome.code == native_relay.ABORTED:
-            raise Aborted(f"decode {address} aborted the sequence after {completion.tokens} "
-                          f"tokens")
-        if outcome.code == native_relay.CLIENT_GONE or scope.cancelled:
-            raise ClientCancelled()
-        if outcome.code == native_relay.FAILED:
-            code = _STATUS.get(outcome.status, grpc.StatusCode.UNKNOWN).name
-            raise ServiceError(
-                f"decode {address} (decoding) failed after {completion.tokens} tokens were "
-                f"streamed: {code} {outcome.details}", code)
-        if outcome.code == native_relay.BAD_MESSAGE:
-            raise ServiceError(f"decode {address} (decoding): a Decode message that does not "
-                               f"parse after {completion.tokens} tokens", "INTERNAL")
-        raise Unavailable(f"decode {address} (decoding): stream ended without a finish "
-                          f"reason after {completion.tokens} tokens")
+        relay = completion.native(self._relayer, rid)
+        if relay is None:
+            return None
+        with relay:
+            if handle is None:  # a shared stream
+                return call.relay_natively(relay, server_call)  # type: ignore[no-any-return]
+            return relay.run(server_call, handle)
 
     @staticmethod
     def _settle(started: Started, decode_finished: bool, completion: Completion,

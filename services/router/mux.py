@@ -13,7 +13,9 @@ which it has. One reader thread per worker hands each update to its sequence: to
 blocked in `next`, or, where the reader parked instead (`park`, the HTTP front door's), by
 running the relay of that token on the reader thread itself (`inline`), so a step's 32
 tokens wake no thread per token (router CPU per token 0.144 -> 0.10 ms, scenario A; the
-last update of a sequence resumes it on a pool thread: its end releases and logs). The stream
+last update of a sequence resumes it on a pool thread: its end releases and logs); a gRPC
+client's sequence handed to the native relay (`relay_natively`, router/native_relay.py) has
+each update sent on to its client from the reader thread, in C++. The stream
 failing ends every sequence on it with the stream's status, and the next `open` starts a
 new stream. A worker without DecodeMany (UNIMPLEMENTED) gets a Decode call per sequence
 from then on, those caught waiting included. A stream no sequence has used for IDLE_CLOSE_S is
@@ -31,6 +33,8 @@ from typing import Any
 
 import grpc
 from pdserve.common.native_calls import StatusError
+from pdserve.router import native_relay
+from pdserve.router.native_relay import Outcome, Relay
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
@@ -66,15 +70,39 @@ class SequenceStream:
         self._delegated: Any = None  # that call, as soon as it is made
         self._over = False
         self._held: Any = None  # an item `take_ready` took out but left for `next`
+        self._native: _NativeSink | None = None  # see `relay_natively`
 
     def put(self, item: decode_pb2.SequenceUpdate | BaseException | object, *,
             inline: bool = False) -> None:
         """Deliver `item`; a parked reader is resumed (`inline`: on this thread)."""
-        self._items.put(item)
         with self._lock:
+            sink = self._native
+            if sink is not None and sink.outcome is None:
+                sink.take(item)  # relayed here, in order behind what relay_natively took
+                return
+            self._items.put(item)
             resume, self._resume = self._resume, None
         if resume is not None:
             resume(inline)
+
+    def relay_natively(self, relay: Relay, server_call: int) -> Outcome | None:
+        """The rest of the sequence relayed by `relay` to the client's call `server_call`:
+        each update sent on from the reader's thread as it arrives (no thread woken for it);
+        returns once the sequence ended. None, with nothing taken, where it cannot be (a
+        Decode call of its own, or the end already here)."""
+        with self._lock:
+            if self._over or self._call is not None or self._delegated is not None \
+                    or self._held is not None:
+                return None
+            sink = self._native = _NativeSink(relay, server_call)
+            while sink.outcome is None:
+                try:
+                    sink.take(self._items.get_nowait())
+                except queue.Empty:
+                    break
+        sink.done.wait()
+        assert sink.outcome is not None
+        return sink.outcome
 
     def delegate(self, call: Any) -> None:
         """From now on the messages come from `call`, a Decode call of the sequence's own."""
@@ -146,6 +174,38 @@ class SequenceStream:
             return
         if self._streams.cancel(self):
             self.put(SequenceFailed(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+
+
+class _NativeSink:
+    """A sequence's updates into its native relay (native_relay.py), until an outcome."""
+
+    def __init__(self, relay: Relay, server_call: int):
+        self.relay, self.server_call = relay, server_call
+        self.outcome: Outcome | None = None
+        self.done = threading.Event()
+
+    def take(self, item: decode_pb2.SequenceUpdate | BaseException | object) -> None:
+        relay = self.relay
+        if isinstance(item, decode_pb2.SequenceUpdate):
+            if item.last and item.error_code:
+                self._end(relay.outcome(native_relay.FAILED, _status(item.error_code).value[0],
+                                        item.error_message))
+                return
+            code = native_relay.NO_FINISH
+            if item.HasField("message"):
+                message = item.message
+                code = relay.feed(self.server_call, message.token_ids, message.finish_reason)
+            if code >= 0 or item.last:
+                self._end(relay.outcome(native_relay.NO_FINISH if code < 0 else code))
+        elif isinstance(item, grpc.RpcError):
+            self._end(relay.outcome(native_relay.FAILED, item.code().value[0], item.details()))
+        else:  # the stream was handed to a Decode call of its own: not after a first message
+            self._end(relay.outcome(native_relay.FAILED, grpc.StatusCode.UNAVAILABLE.value[0],
+                                    "the shared decode stream moved to a Decode call"))
+
+    def _end(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        self.done.set()
 
 
 class DecodeStreams:

@@ -1,12 +1,13 @@
 """A request's decode tokens relayed in C++ (common/csrc/token_relay.cc): no Python per message.
 
-Where the router serves on gRPC's C++ core and a sequence runs on its own native Decode call
-(pools past SHARED_STREAM_MAX_WORKERS decode workers, or --no-shared-decode-stream), the
-lifecycle relays the first decode message itself and hands the rest of the stream here: the
-request's thread waits in C++ (GIL released) while each Decode message becomes a delta on the
-client's stream, and comes back with the count, the finish reason and when each delta went
-out. Python's relay costs the router ~0.15-0.2 ms of CPU a message (reading it, the
-detokenizer, the write); this one a few microseconds beyond gRPC's own.
+Where the router serves gRPC on its C++ core, the lifecycle relays the first decode message
+itself and hands the rest of the sequence here; the request's thread waits (GIL released)
+while each Decode message becomes a delta on the client's stream, and comes back with the
+count, the finish reason and when each delta went out. On a sequence's own native Decode call
+(pools past SHARED_STREAM_MAX_WORKERS decode workers, or --no-shared-decode-stream) each
+message is taken on gRPC's C++ thread as it arrives (`Relay.run`): ~0.08 ms of router CPU a
+message against ~0.17 in Python. On a worker's shared DecodeMany stream its reader (Python,
+router/mux.py) hands each update over (`Relay.feed`), so only the relay's own part is saved.
 
 The text must be exactly what the Python relay sends, so only tokenizers whose decode
 (skip_special_tokens=True) is the UTF-8 of the tokens' bytes joined (byte-level BPE: GPT-2,
@@ -20,15 +21,20 @@ import ctypes
 import logging
 import random
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import grpc
+from pdserve.common.errors import Aborted, ServiceError, Unavailable
+from pdserve.router.cancel import CallScope, ClientCancelled
 
 log = logging.getLogger("pdserve.router")
 
 # What pdr_run returns (csrc/token_relay.cc)
 ROUTER_FINISHED, DECODE_FINISHED, ABORTED, FAILED, NO_FINISH, CLIENT_GONE, BAD_MESSAGE = range(7)
 _CHECK_SEQUENCES, _CHECK_LENGTH, _CHECK_SEED = 64, 24, 5
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _p = ctypes.c_void_p
 _i32_p = ctypes.POINTER(ctypes.c_int32)
 
@@ -92,6 +98,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pdr_sent.argtypes = [_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_double)),
                              ctypes.POINTER(_i32_p)]
     lib.pdr_status.argtypes = [_p, ctypes.POINTER(ctypes.c_char_p)]
+    lib.pdr_feed.argtypes = [_p, _p, _i32_p, ctypes.c_int, ctypes.c_char_p]
     for name in ("pdr_vocab_free", "pdr_free", "pdr_tokens", "pdr_finish_reason"):
         getattr(lib, name).argtypes = [_p]
 
@@ -140,16 +147,28 @@ class Relay:
 
     def run(self, server_call: int, decode_call: int) -> Outcome:
         """Relay until the sequence ends, the call fails or the client is gone."""
+        return self.outcome(self._lib.pdr_run(self._handle, server_call, decode_call))
+
+    def feed(self, server_call: int, token_ids: Sequence[int], finish_reason: str) -> int:
+        """One Decode message handed over (a shared stream's update), sent on to the client's
+        call: the outcome's code, or -1 while the sequence goes on."""
+        ids = (ctypes.c_int32 * max(1, len(token_ids)))(*token_ids)
+        return int(self._lib.pdr_feed(self._handle, server_call, ids, len(token_ids),
+                                      finish_reason.encode()))
+
+    def outcome(self, code: int, status: int = 0, details: str = "") -> Outcome:
+        """The outcome `code` with what was sent; `status`, `details`: a failure the caller
+        saw (FAILED), else the Decode call's own."""
         lib = self._lib
-        code = lib.pdr_run(self._handle, server_call, decode_call)
         at, counts = ctypes.POINTER(ctypes.c_double)(), _i32_p()
         n = lib.pdr_sent(self._handle, ctypes.byref(at), ctypes.byref(counts))
-        details = ctypes.c_char_p()
-        status = lib.pdr_status(self._handle, ctypes.byref(details))
+        if not status:
+            text = ctypes.c_char_p()
+            status = lib.pdr_status(self._handle, ctypes.byref(text))
+            details = (text.value or b"").decode(errors="replace")
         return Outcome(code, lib.pdr_tokens(self._handle),
                        (lib.pdr_finish_reason(self._handle) or b"").decode(),
-                       [(at[i], counts[i]) for i in range(n)], status,
-                       (details.value or b"").decode(errors="replace"))
+                       [(at[i], counts[i]) for i in range(n)], status, details)
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
@@ -161,6 +180,35 @@ class Relay:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def settle(outcome: Outcome, completion: Any, clock: Any, observe_itl: Callable[[float], None],
+           scope: CallScope, address: str) -> bool:
+    """What a native relay did, as the Python relay (lifecycle._relay) would have: the
+    completion's count and finish, the clock and its ITL samples, the errors it raises; True
+    when decode itself finished the sequence. `completion`: lifecycle.Completion; `clock`:
+    timing.TokenClock."""
+    completion.tokens = outcome.tokens
+    for at, tokens in outcome.sent:
+        gap_s = clock.sent(tokens, at)
+        if gap_s is not None:
+            observe_itl(gap_s)
+    if outcome.code in (ROUTER_FINISHED, DECODE_FINISHED):
+        completion.finish_reason = outcome.finish_reason
+        return outcome.code == DECODE_FINISHED
+    if outcome.code == ABORTED:
+        raise Aborted(f"decode {address} aborted the sequence after {outcome.tokens} tokens")
+    if outcome.code == CLIENT_GONE or scope.cancelled:
+        raise ClientCancelled()
+    if outcome.code == FAILED:
+        code = _STATUS.get(outcome.status, grpc.StatusCode.UNKNOWN).name
+        raise ServiceError(f"decode {address} (decoding) failed after {outcome.tokens} tokens "
+                           f"were streamed: {code} {outcome.details}", code)
+    if outcome.code == BAD_MESSAGE:
+        raise ServiceError(f"decode {address} (decoding): a Decode message that does not parse "
+                           f"after {outcome.tokens} tokens", "INTERNAL")
+    raise Unavailable(f"decode {address} (decoding): stream ended without a finish reason "
+                      f"after {outcome.tokens} tokens")
 
 
 class Relayer:

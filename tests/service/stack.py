@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import tempfile
 import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -110,8 +111,12 @@ def pdserve_stack(*args: str, prefill: int = 1, decode: int = 1, colocated: bool
     metrics = {name: f"http://127.0.0.1:{metrics_base + metrics_offset(name)}/metrics"
                for name in names}
     http = f"http{'s' if '--tls' in args else ''}://127.0.0.1:{base + 38}/v1"
+    # `pdserve up` keeps its processes' logs after a failed exit (a test that kills a worker):
+    # they go to a folder this removes.
+    logs = tempfile.TemporaryDirectory(prefix="pdserve-test-up-")
+    argv += ["--log-dir", logs.name]
     try:
-        with running(argv, router, env=env, timeout_s=240, security=security) as proc:
+        with logs, running(argv, router, env=env, timeout_s=240, security=security) as proc:
             if colocated:
                 workers = [f"127.0.0.1:{ports['colocated_port']}"]
                 yield Stack(router, workers, workers, proc, metrics, http)

@@ -15,6 +15,7 @@
 //   pdr_new(vocab, request_id, max_tokens, tokens, eos, n_eos, stops, held) -> relay
 //   pdr_accept(relay, ids, n, finish, &text, &len) -> taken   (no gRPC: what one message does)
 //   pdr_run(relay, server_call, decode_call) -> outcome   (GIL released: it waits)
+//   pdr_feed(relay, server_call, ids, n, finish) -> outcome or -1   (one message handed over)
 //   pdr_tokens / pdr_finish_reason / pdr_sent / pdr_status, pdr_free, pdr_vocab_free
 
 #include <chrono>
@@ -214,6 +215,7 @@ class Relay {
     return outcome_;
   }
 
+  void set_server(void* server) { server_ = server; }
   const std::string& text() const { return text_; }
   const std::vector<int32_t>& taken() const { return taken_; }
   int tokens() const { return tokens_; }
@@ -245,7 +247,13 @@ class Relay {
     ids_.clear();
     decode_finish_.clear();
     if (!ParseDecodeResponse(data, len, &ids_, &decode_finish_)) return kBadMessage;
-    if (!Accept(ids_, decode_finish_)) return kAborted;
+    return Deliver(ids_, decode_finish_);
+  }
+
+ public:
+  // One Decode message's tokens and finish, sent on: the outcome, or -1 to go on.
+  int Deliver(const std::vector<int32_t>& ids, const std::string& decode_finish) {
+    if (!Accept(ids, decode_finish)) return kAborted;
     if (!taken_.empty() || !text_.empty()) {
       Encode();
       if (pds_write(server_, out_.data(), out_.size()) < 0) return kClientGone;
@@ -258,6 +266,7 @@ class Relay {
     return -1;
   }
 
+ private:
   void Push(int32_t id) {  // OutputText.push: detokenize, then stop strings
     if (id >= 0 && static_cast<size_t>(id) + 1 < vocab_->offsets.size()) {
       uint32_t a = vocab_->offsets[id], b = vocab_->offsets[id + 1];
@@ -386,6 +395,14 @@ int pdr_accept(void* relay, const int32_t* ids, int n, const char* finish, int32
 
 int pdr_run(void* relay, void* server_call, void* decode_call) {
   return static_cast<Relay*>(relay)->Run(server_call, decode_call);
+}
+
+// One message handed over by the caller (the router's reader of a shared DecodeMany stream)
+// and sent on to `server_call`: the outcome, or -1 to go on.
+int pdr_feed(void* relay, void* server_call, const int32_t* ids, int n, const char* finish) {
+  auto* r = static_cast<Relay*>(relay);
+  r->set_server(server_call);
+  return r->Deliver(std::vector<int32_t>(ids, ids + n), finish);
 }
 
 int pdr_tokens(void* relay) { return static_cast<Relay*>(relay)->tokens(); }
