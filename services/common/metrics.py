@@ -99,7 +99,7 @@ class RouterMetrics:
             registry=r)
         self.relayed_natively = Counter(
             "pdserve_relayed_natively", "requests whose decode tokens the router relayed in C++ "
-            "(its own native Decode call, a byte-level tokenizer; the rest in Python)",
+            "(gRPC clients, a byte-level tokenizer; the rest in Python)",
             registry=r)
         self.retries = Counter("pdserve_retries", "extra attempts (other workers) before a "
                                "request's first token", registry=r)

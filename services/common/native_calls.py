@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from pdserve.common.security import ChannelSecurity
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # gRPC's numbers -> codes
 
 
 class StatusError(grpc.RpcError):
@@ -57,7 +57,7 @@ class NativeCall:
         text = (details.value or b"").decode(errors="replace")
         self._free()
         if code != 0:
-            raise StatusError(_CODES.get(code, grpc.StatusCode.UNKNOWN), text)
+            raise StatusError(STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN), text)
         raise StopIteration
 
     def cancel(self) -> None:

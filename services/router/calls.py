@@ -100,8 +100,7 @@ class OnThreadCall:
     @property
     def native_handle(self) -> int | None:
         """The C++ call of a call on the native library (common/native_calls.py), else None."""
-        return getattr(self._call, "handle", None) if isinstance(self._call, NativeCall) \
-            else None
+        return self._call.handle if isinstance(self._call, NativeCall) else None
 
     def cancel(self) -> None:
         self._call.cancel()

@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 from pdserve.common.errors import Aborted, ServiceError, Unavailable
+from pdserve.common.native_calls import STATUS_CODES
 from pdserve.router.cancel import CallScope, ClientCancelled
 
 log = logging.getLogger("pdserve.router")
@@ -34,7 +35,6 @@ log = logging.getLogger("pdserve.router")
 # What pdr_run returns (csrc/token_relay.cc)
 ROUTER_FINISHED, DECODE_FINISHED, ABORTED, FAILED, NO_FINISH, CLIENT_GONE, BAD_MESSAGE = range(7)
 _CHECK_SEQUENCES, _CHECK_LENGTH, _CHECK_SEED = 64, 24, 5
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _p = ctypes.c_void_p
 _i32_p = ctypes.POINTER(ctypes.c_int32)
 
@@ -201,7 +201,7 @@ def settle(outcome: Outcome, completion: Any, clock: Any, observe_itl: Callable[
     if outcome.code == CLIENT_GONE or scope.cancelled:
         raise ClientCancelled()
     if outcome.code == FAILED:
-        code = _STATUS.get(outcome.status, grpc.StatusCode.UNKNOWN).name
+        code = STATUS_CODES.get(outcome.status, grpc.StatusCode.UNKNOWN).name
         raise ServiceError(f"decode {address} (decoding) failed after {outcome.tokens} tokens "
                            f"were streamed: {code} {outcome.details}", code)
     if outcome.code == BAD_MESSAGE:
@@ -234,8 +234,8 @@ class Relayer:
             log.info("tokens relayed in Python: the tokenizer does not qualify for the native "
                      "relay (%s)", why)
             return None
-        log.info("tokens of sequences on their own Decode call relayed in C++ (a vocabulary "
-                 "of %d tokens)", len(table))
+        log.info("gRPC clients' tokens relayed in C++ (a vocabulary of %d tokens)",
+                 len(table))
         return cls(lib, table)
 
     def relay(self, request_id: str, max_tokens: int, tokens: int, eos: Sequence[int],

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pdserve.common.layout import pages_for_tokens
 
 DEFAULT_BLOCK_SIZE = 16
+EXPLAINED = 4  # candidates a placement's explanation names
 
 
 @dataclass(slots=True)  # not frozen: a frozen one costs 5x to build, per worker per request
@@ -122,22 +123,21 @@ class Placement:
     @property
     def decided_by(self) -> str:
         """"locality", "load", "room", "retry" or "only" (one candidate)."""
-        return _decided_by([r[-4:] for r in self._rows])
+        return _decided_by(self.candidates)
 
-    def explain(self, most: int = 4) -> str:
-        """One line: the pick, the deciding term, the best `most` candidates."""
-        if most != 4:
-            return self._explain(most)
+    def explain(self) -> str:
+        """One line: the pick, the deciding term, the best EXPLAINED candidates."""
         if not self._explained:
-            self._explained = self._explain(most)
+            self._explained = self._explain()
         return self._explained
 
-    def _explain(self, most: int) -> str:
+    def _explain(self) -> str:
         if not self.ranked:
             return "no healthy worker"
-        more = len(self._rows) - most
+        candidates = self.candidates
+        more = len(candidates) - EXPLAINED
         return f"{self.ranked[0]} by {self.decided_by}: " + \
-            "; ".join(Candidate(*r[-5:]).describe() for r in self._rows[:most]) + \
+            "; ".join(c.describe() for c in candidates[:EXPLAINED]) + \
             (f"; {more} more" if more > 0 else "")
 
 
@@ -200,24 +200,23 @@ def place_decode(workers: Sequence[DecodeLoad], num_prompt_tokens: int,
     return Placement([r[6] for r in rows], rows)
 
 
-def _decided_by(figures: list[tuple[int, int, float, str]]) -> str:
-    """Which term put the first candidate first; `figures`: (cached tokens, load, cost, note)
-    of each candidate, in ranked order."""
-    if not figures:
+def _decided_by(candidates: list[Candidate]) -> str:
+    """Which term put the first candidate first."""
+    if not candidates:
         return ""
-    (best_cached, best_load, _, best_note), rest = figures[0], figures[1:]
+    best, rest = candidates[0], candidates[1:]
     if not rest:
         return "only"
-    if best_note == "retry":
+    if best.note == "retry":
         return "retry"
-    if any(note in ("no room", "busy") and cached > best_cached
-           for cached, _, _, note in rest):
+    if any(c.note in ("no room", "busy") and c.cached_tokens > best.cached_tokens
+           for c in rest):
         return "room"  # a worker holding more of the prompt was passed over for room
-    if any(load < best_load for _, load, _, note in rest if not note):
+    if any(c.load < best.load for c in rest if not c.note):
         return "locality"  # it won despite more load: its cache decided
-    if any(cached > best_cached for cached, _, _, note in rest if not note):
+    if any(c.cached_tokens > best.cached_tokens for c in rest if not c.note):
         return "load"
-    return "locality" if best_cached > max(cached for cached, _, _, _ in rest) else "load"
+    return "locality" if best.cached_tokens > max(c.cached_tokens for c in rest) else "load"
 
 
 def rank_prefill(workers: Sequence[PrefillLoad], avoid: Collection[str] = ()) -> list[str]:

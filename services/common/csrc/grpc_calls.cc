@@ -124,7 +124,7 @@ class Call {
     while (sink_ != nullptr && !messages_.empty()) {
       std::string message = std::move(messages_.front());
       messages_.pop_front();
-      if (!sink_(sink_context_, message.data(), message.size(), 0, 0, "")) sink_ = nullptr;
+      ToSink(message.data(), message.size());
     }
     if (sink_ != nullptr && done_) EndSink();
   }
@@ -162,8 +162,8 @@ class Call {
           const char* data = reinterpret_cast<const char*>(slice.begin());
           if (sink_ == nullptr) {
             messages_.emplace_back(data, slice.size());
-          } else if (!sink_(sink_context_, data, slice.size(), 0, 0, "")) {
-            sink_ = nullptr;
+          } else {
+            ToSink(data, slice.size());
           }
         }
         in_.Clear();
@@ -171,6 +171,10 @@ class Call {
     }
     ready_.notify_all();
     if (end) Release();
+  }
+
+  void ToSink(const char* data, size_t len) {  // mu_ held
+    if (!sink_(sink_context_, data, len, 0, 0, "")) sink_ = nullptr;
   }
 
   void EndSink() {  // mu_ held, done_ set: the status goes to the sink

@@ -215,6 +215,21 @@ class Relay {
     return outcome_;
   }
 
+  // One Decode message's tokens and finish, sent on: the outcome, or -1 to go on.
+  int Deliver(const std::vector<int32_t>& ids, const std::string& decode_finish) {
+    if (!Accept(ids, decode_finish)) return kAborted;
+    if (!taken_.empty() || !text_.empty()) {
+      Encode();
+      if (pds_write(server_, out_.data(), out_.size()) < 0) return kClientGone;
+      if (!taken_.empty()) {
+        sent_at_.push_back(Now());
+        sent_tokens_.push_back(static_cast<int32_t>(taken_.size()));
+      }
+    }
+    if (!finish_.empty()) return decode_finished_ ? kDecodeFinished : kRouterFinished;
+    return -1;
+  }
+
   void set_server(void* server) { server_ = server; }
   const std::string& text() const { return text_; }
   const std::vector<int32_t>& taken() const { return taken_; }
@@ -250,23 +265,6 @@ class Relay {
     return Deliver(ids_, decode_finish_);
   }
 
- public:
-  // One Decode message's tokens and finish, sent on: the outcome, or -1 to go on.
-  int Deliver(const std::vector<int32_t>& ids, const std::string& decode_finish) {
-    if (!Accept(ids, decode_finish)) return kAborted;
-    if (!taken_.empty() || !text_.empty()) {
-      Encode();
-      if (pds_write(server_, out_.data(), out_.size()) < 0) return kClientGone;
-      if (!taken_.empty()) {
-        sent_at_.push_back(Now());
-        sent_tokens_.push_back(static_cast<int32_t>(taken_.size()));
-      }
-    }
-    if (!finish_.empty()) return decode_finished_ ? kDecodeFinished : kRouterFinished;
-    return -1;
-  }
-
- private:
   void Push(int32_t id) {  // OutputText.push: detokenize, then stop strings
     if (id >= 0 && static_cast<size_t>(id) + 1 < vocab_->offsets.size()) {
       uint32_t a = vocab_->offsets[id], b = vocab_->offsets[id + 1];
@@ -291,6 +289,10 @@ class Relay {
 
   void Stop(const std::string& text) {  // StopMatcher.push
     if (stopped_) return;
+    if (stops_.empty()) {
+      text_ += text;
+      return;
+    }
     std::string buffer = held_ + text;
     size_t first = std::string::npos;
     for (const auto& stop : stops_) {
